@@ -1,0 +1,285 @@
+"""``kopt.optimize``: capture -> passes (each verified) -> an :class:`OptimizedModule`."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from kopt.capture import (
+    Captured,
+    capture_module,
+    describe_signature_difference,
+    flatten_inputs,
+    input_signature,
+)
+from kopt.graph import attr
+from kopt.passes import PassConfig, PassManager, PassResult
+from kopt.passes.fold import LoadProgram
+from kopt.passes.pipeline import format_pass_line
+from kopt.verify import VerifyOptions
+
+log = logging.getLogger("kopt")
+
+# Distinct input signatures one OptimizedModule specialises for before it stops re-optimizing.
+MAX_SPECIALIZATIONS = 8
+
+
+@dataclass
+class Report:
+    """What kopt did to one captured graph: per pass results and verification verdicts."""
+
+    model: str
+    capture: str
+    capture_seconds: float
+    nodes_captured: int
+    passes: list[PassResult] = field(default_factory=list)
+    pipeline_uuid: str = ""
+
+    @property
+    def verified(self) -> bool:
+        return all(r.verdict is None or r.verdict.passed for r in self.passes)
+
+    @property
+    def applied(self) -> int:
+        return sum(r.matched for r in self.passes)
+
+    def result(self, name: str) -> PassResult:
+        for r in self.passes:
+            if r.name == name:
+                return r
+        raise KeyError(f"no pass named {name!r} ran; passes: {[r.name for r in self.passes]}")
+
+    def explain(self, node: str, graph: fx.GraphModule | None = None) -> str:
+        """Why ``node`` was or was not rewritten by each pass.
+
+        ``node`` is a node name of the captured graph (see ``--dump``) or a module path such as
+        ``transformer_blocks.0.attn.to_q``; a module path explains every node it produced.
+        """
+        names = {node}
+        if graph is not None:
+            names |= nodes_of_module(graph, node)
+        lines = [f"explain {node}" + (f" (nodes {', '.join(sorted(names - {node}))})"
+                                      if len(names) > 1 else "") + ":"]
+        for r in self.passes:
+            said = False
+            for s in r.sites:
+                if s in names:
+                    lines.append(f"  {r.name}: rewritten at {s}")
+                    said = True
+            for s in r.reverted:
+                if s in names:
+                    lines.append(f"  {r.name}: rewritten at {s}, reverted: failed verification")
+                    said = True
+            for rej in r.rejections:
+                if rej.node in names:
+                    kind = "no match" if rej.near_miss else "rejected"
+                    lines.append(f"  {r.name}: {kind} at {rej.node} by {rej.rewrite}: "
+                                 f"{rej.reason}")
+                    said = True
+            if not said:
+                lines.append(f"  {r.name}: no rewrite of this pass looks at this node")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        out = [f"kopt report: {self.model}",
+               f"capture: {self.capture}, {self.nodes_captured} nodes, "
+               f"{self.capture_seconds:.2f} s"]
+        for r in self.passes:
+            out.append("  " + format_pass_line(r))
+            for reason, n in sorted(r.rejected.items(), key=lambda kv: -kv[1]):
+                out.append(f"      rejected x{n}: {reason}")
+            for s in r.reverted:
+                out.append(f"      reverted {s}: failed verification")
+            for note in r.notes:
+                out.append(f"      {note}")
+        status = "passed" if self.verified else "FAILED (failing rewrites were reverted)"
+        out.append(f"summary: {len(self.passes)} passes, {self.applied} rewrites applied, "
+                   f"{sum(len(r.reverted) for r in self.passes)} reverted; verification {status}")
+        return "\n".join(out)
+
+
+def nodes_of_module(gm: fx.GraphModule, path: str) -> set[str]:
+    """Names of the nodes traced inside the module at ``path`` (from export's module stack)."""
+    out = set()
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if any(_clean_path(p) == path for p, _ in stack.values()):
+            out.add(node.name)
+    return out
+
+
+def _clean_path(p: str) -> str:
+    # export records paths like "L['self'].blocks[0].attn" or "blocks.0.attn"
+    return p.replace("L['self'].", "").replace("[", ".").replace("]", "")
+
+
+class _Specialization:
+    """One captured + optimized graph for one input signature."""
+
+    def __init__(self, captured: Captured, gm: fx.GraphModule, report: Report) -> None:
+        self.captured = captured
+        self.gm = gm
+        self.report = report
+        self.programs: list[LoadProgram] = list(gm.meta.get("kopt_load_programs", []))
+        self.sources = [
+            (attr(p.graph_module, s), p) for p in self.programs for s in p.sources
+        ]
+        self.versions = [t._version for t, _ in self.sources]
+
+    def refresh_if_stale(self) -> None:
+        """Re-run the load programs whose parameters were changed in place since packing."""
+        stale = {id(p): p for (t, p), v in zip(self.sources, self.versions, strict=True)
+                 if t._version != v}
+        for program in stale.values():
+            log.info("kopt: parameters changed in place; re-packing %d constants",
+                     len(program.targets))
+            for name, value in zip(program.targets, program.run(), strict=True):
+                getattr(self.gm, name).copy_(value)
+        if stale:
+            self.versions = [t._version for t, _ in self.sources]
+
+
+class OptimizedModule:
+    """The optimized model: call it like the original.
+
+    Specialised on its inputs' shapes, dtypes and Python values (like ``torch.export``); a call
+    with other inputs is captured and optimized anew, up to :data:`MAX_SPECIALIZATIONS`, then
+    runs the original model with a warning. Attributes it does not define are the original
+    model's (``.config``, ``.dtype``, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, first: _Specialization, config: PassConfig,
+                 verify: VerifyOptions, dump_dir: Path | None) -> None:
+        self.original = model
+        self.config = config
+        self._verify = verify
+        self._dump_dir = dump_dir
+        self._specs: dict[tuple, _Specialization] = {}
+        self._first_key = _key(first.captured.example_inputs, first.captured.in_spec)
+        self._specs[self._first_key] = first
+        self._warned = False
+        self._watched = _watch_identity(model, first.gm)
+
+    @property
+    def report(self) -> Report:
+        """The report of the first (example-input) specialisation."""
+        return self._specs[self._first_key].report
+
+    @property
+    def reports(self) -> list[Report]:
+        return [s.report for s in self._specs.values()]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._specs[self._first_key].gm
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("original",):
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = flatten_inputs(args, kwargs)
+        if self._replaced_parameters():
+            log.warning("kopt: a parameter object of the model was replaced; re-optimizing")
+            self._specs.clear()
+        key = _key(flat, spec)
+        spec_entry = self._specs.get(key)
+        if spec_entry is None:
+            if len(self._specs) >= MAX_SPECIALIZATIONS:
+                if not self._warned:
+                    first = self._specs[self._first_key].captured
+                    why = describe_signature_difference(
+                        input_signature(first.example_inputs), input_signature(flat))
+                    warnings.warn(f"kopt: {MAX_SPECIALIZATIONS} input signatures already "
+                                  f"optimized; running the original model ({why})",
+                                  stacklevel=2)
+                    self._warned = True
+                return self.original(*args, **kwargs)
+            log.info("kopt: new input signature; capturing and optimizing again")
+            spec_entry = _specialize(self.original, args, kwargs, self.config, self._verify,
+                                     self._dump_dir)
+            self._specs[key] = spec_entry
+            if len(self._specs) == 1:
+                self._first_key = key
+                self._watched = _watch_identity(self.original, spec_entry.gm)
+        spec_entry.refresh_if_stale()
+        with torch.no_grad():
+            out = spec_entry.gm(*flat)
+        return spec_entry.captured.unflatten_outputs(out)
+
+    def _replaced_parameters(self) -> bool:
+        return any(owner.get(name) is not t for owner, name, t in self._watched)
+
+
+def _key(flat: Sequence[Any], spec: Any) -> tuple:
+    return (str(spec), input_signature(list(flat)))
+
+
+def _watch_identity(model: torch.nn.Module, gm: fx.GraphModule) -> list[tuple[dict, str, Any]]:
+    """(owner dict, name, tensor) for every model parameter/buffer the optimized graph uses,
+    directly or through a load program: replacing one of them invalidates the graph."""
+    captured_ids = {id(t) for t in gm.parameters()} | {id(t) for t in gm.buffers()}
+    for program in gm.meta.get("kopt_load_programs", []):
+        captured_ids |= {id(attr(program.graph_module, s)) for s in program.sources}
+    out = []
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if t is not None and id(t) in captured_ids:
+                    out.append((store, name, t))
+    return out
+
+
+def _specialize(model: torch.nn.Module, args: tuple, kwargs: dict | None, config: PassConfig,
+                verify: VerifyOptions, dump_dir: Path | None,
+                name: str | None = None) -> _Specialization:
+    t0 = time.perf_counter()
+    log.info("kopt: capturing %s", name or type(model).__name__)
+    captured = capture_module(model, args, kwargs)
+    capture_s = time.perf_counter() - t0
+    return optimize_captured(captured, config, verify, dump_dir, name or type(model).__name__,
+                             capture_s)
+
+
+def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOptions,
+                      dump_dir: Path | None, name: str, capture_seconds: float) -> _Specialization:
+    nodes = sum(1 for n in captured.gm.graph.nodes if n.op == "call_function")
+    log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
+             len(config.enabled()))
+    manager = PassManager(config, verify, dump_dir)
+    gm, results = manager.run(captured.gm, captured.example_inputs)
+    report = Report(name, captured.source, capture_seconds, nodes, results, manager.uuid())
+    return _Specialization(captured, gm, report)
+
+
+def optimize(
+    model: torch.nn.Module,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    config: PassConfig = PassConfig(),
+    *,
+    verify: VerifyOptions = VerifyOptions(),
+    dump_dir: str | Path | None = None,
+) -> OptimizedModule:
+    """Optimize ``model`` for inputs like ``(args, kwargs)``.
+
+    Every rewrite is verified on fresh random inputs at its declared numerics tier; a failing
+    one is reverted and the report says so. Raises :class:`kopt.errors.CaptureError` if the
+    model cannot be captured (the model is left as it was).
+    """
+    if model.training:
+        warnings.warn("kopt optimizes inference: the model is in training mode, so dropout and "
+                      "batch-norm statistics are traced as in training; call model.eval() first",
+                      stacklevel=2)
+    dump = Path(dump_dir) if dump_dir else None
+    first = _specialize(model, tuple(args), kwargs, config, verify, dump)
+    return OptimizedModule(model, first, config, verify, dump)

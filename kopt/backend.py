@@ -1,0 +1,123 @@
+"""``torch.compile(model, backend="kopt", options={...})``.
+
+Registered through the ``torch_dynamo_backends`` entry point, so no ``import kopt`` is needed.
+Each graph dynamo hands over is lowered to kopt's IR (parameters become constants), run through
+the pass pipeline with verification, then handed to the inner compiler: Inductor by default
+(``inner="inductor"``) or run as is (``inner="eager"``).
+
+Options (all optional):
+
+* ``inner``: ``"inductor"`` | ``"eager"``
+* ``config``: a :class:`kopt.PassConfig`, or a dict of its fields
+* ``verify``: a :class:`kopt.VerifyOptions`, or a bool
+* ``reports``: a list that receives one :class:`kopt.Report` per compiled graph
+
+A graph kopt cannot take (dynamic shapes, an unsupported op) is logged with the reason and given
+to the inner compiler unmodified, so compilation still succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from kopt.api import Report, _Specialization, optimize_captured
+from kopt.capture import capture_dynamo
+from kopt.errors import CaptureError, KoptError
+from kopt.passes import PassConfig
+from kopt.verify import VerifyOptions
+
+log = logging.getLogger("kopt")
+
+INNER = ("inductor", "eager")
+
+
+@dataclass
+class BackendOptions:
+    inner: str = "inductor"
+    config: PassConfig = field(default_factory=PassConfig)
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+    reports: list[Report] | None = None
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | None) -> BackendOptions:
+        options = dict(options or {})
+        unknown = set(options) - {"inner", "config", "verify", "reports"}
+        if unknown:
+            raise KoptError(f"unknown kopt backend option(s) {sorted(unknown)}; "
+                            "valid: inner, config, verify, reports")
+        out = cls()
+        if "inner" in options:
+            if options["inner"] not in INNER:
+                raise KoptError(f"inner must be one of {INNER}, got {options['inner']!r}")
+            out.inner = options["inner"]
+        config = options.get("config")
+        if isinstance(config, dict):
+            out.config = PassConfig().replace(**config)
+        elif config is not None:
+            out.config = config
+        verify = options.get("verify")
+        if isinstance(verify, bool):
+            out.verify = VerifyOptions(enabled=verify)
+        elif verify is not None:
+            out.verify = verify
+        out.reports = options.get("reports")
+        return out
+
+
+def kopt_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
+    **_: Any,
+) -> Callable[..., Any]:
+    opts = BackendOptions.parse(options)
+    try:
+        captured, runtime_idx = capture_dynamo(gm, example_inputs)
+    except CaptureError as exc:
+        log.warning("kopt: graph left unoptimized: %s", exc)
+        return _inner_compile(opts.inner, gm, example_inputs)
+    spec = optimize_captured(captured, opts.config, opts.verify, None,
+                             f"dynamo graph ({len(gm.graph.nodes)} nodes)", 0.0)
+    if opts.reports is not None:
+        opts.reports.append(spec.report)
+    log.info("%s", spec.report)
+    runtime_examples = [example_inputs[i] for i in runtime_idx]
+    compiled = _inner_compile(opts.inner, spec.gm, runtime_examples)
+    static_idx = [i for i in range(len(example_inputs)) if i not in set(runtime_idx)]
+    return _Runner(compiled, spec, runtime_idx, static_idx, example_inputs)
+
+
+class _Runner:
+    """Calls the compiled graph with the runtime inputs; re-packs weights changed in place."""
+
+    def __init__(self, compiled: Callable[..., Any], spec: _Specialization,
+                 runtime_idx: list[int], static_idx: list[int], examples: list[Any]) -> None:
+        self.compiled = compiled
+        self.spec = spec
+        self.runtime_idx = runtime_idx
+        self.static = [(i, examples[i]) for i in static_idx]
+
+    def __call__(self, *args: Any) -> Any:
+        for i, t in self.static:
+            if args[i] is not t:
+                raise KoptError(
+                    "kopt: a parameter or buffer object was replaced after compilation; kopt "
+                    "packed the old one. Update it in place (e.g. load_state_dict) or recompile "
+                    "(torch._dynamo.reset())."
+                )
+        self.spec.refresh_if_stale()
+        out = self.compiled(*[args[i] for i in self.runtime_idx])
+        return self.spec.captured.unflatten_outputs(out)
+
+
+def _inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    if inner == "eager":
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    # For an nn.Module, compile_fx returns aot_autograd's unboxed forward(*args) (its
+    # _boxed_call attribute is copied from the inner function and does not describe it).
+    return compile_fx(gm, example_inputs)

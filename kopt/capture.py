@@ -1,0 +1,209 @@
+"""Model -> functional aten-level GraphModule with fake-tensor metadata on every node.
+
+One function per capture mode, both producing the same IR:
+
+* :func:`capture_module` -- an ``nn.Module`` and example inputs, through non-strict
+  ``torch.export`` (no graph breaks: a construct it cannot trace is an error that names it).
+* :func:`capture_dynamo` -- the graph a ``torch.compile`` backend receives from dynamo; its
+  parameter and buffer inputs become constants, the rest stay inputs.
+
+The IR is what ``torch.export`` yields with an empty decomposition table: functional aten with
+the composite ops that rewrites care about kept whole (``aten.linear``, ``aten.layer_norm``,
+``aten.scaled_dot_product_attention``, ...). Parameters and buffers are ``get_attr`` nodes that
+read the model's own tensors (shared, not copied), so weight-side work can be done at load time.
+The captured graph takes one placeholder per flattened input leaf and returns a flat tuple.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils import _pytree as pytree
+
+from kopt.errors import CaptureError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_KOPT_DIR = os.path.dirname(__file__)
+
+
+@dataclass
+class Captured:
+    """A captured graph and how to call it with the model's (args, kwargs)."""
+
+    gm: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    example_inputs: list[Any]  # flat leaves of (args, kwargs), in placeholder order
+    source: str  # "export" or "dynamo"
+
+    def unflatten_outputs(self, flat: Any) -> Any:
+        return pytree.tree_unflatten(list(flat), self.out_spec)
+
+
+def flatten_inputs(args: tuple, kwargs: dict | None) -> tuple[list[Any], pytree.TreeSpec]:
+    """Flatten the call inputs the way capture does (kwargs sorted by name)."""
+    kwargs = dict(sorted((kwargs or {}).items()))
+    return pytree.tree_flatten((tuple(args), kwargs))
+
+
+def input_signature(flat: list[Any]) -> tuple:
+    """What a captured graph is specialised on: tensor shape/dtype/device, Python leaf values."""
+    sig: list[Any] = []
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            sig.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device.type))
+        else:
+            sig.append(("value", type(leaf).__name__, repr(leaf)))
+    return tuple(sig)
+
+
+def describe_signature_difference(expected: tuple, got: tuple) -> str:
+    if len(expected) != len(got):
+        return f"{len(got)} input leaves, captured with {len(expected)}"
+    for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+        if e != g:
+            return f"input leaf {i}: got {_fmt_leaf(g)}, captured with {_fmt_leaf(e)}"
+    return "inputs match"
+
+
+def _fmt_leaf(sig: tuple) -> str:
+    if sig[0] == "tensor":
+        return f"tensor{list(sig[1])} {sig[2]} on {sig[3]}"
+    return f"{sig[1]} {sig[2]}"
+
+
+def capture_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+    """Capture ``model(*args, **kwargs)`` through non-strict ``torch.export``.
+
+    Raises :class:`CaptureError` naming the construct that cannot be captured; the model is not
+    modified either way.
+    """
+    kwargs = dict(sorted((kwargs or {}).items()))
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        ep = ep.run_decompositions({})
+    except Exception as exc:  # noqa: BLE001 -- every failure becomes a CaptureError naming it
+        raise _classify(exc) from exc
+    gm = ep.module()
+    info = gm.graph._codegen.pytree_info
+    flat, _ = flatten_inputs(args, kwargs)
+    _make_flat(gm)
+    return Captured(gm, info.in_spec, info.out_spec, flat, "export")
+
+
+def capture_dynamo(
+    gm: fx.GraphModule, example_inputs: list[Any]
+) -> tuple[Captured, list[int]]:
+    """Lower a dynamo graph to kopt's IR. Returns the capture and the indices of the inputs that
+    stay runtime inputs (parameters and buffers become constants of the captured graph).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise CaptureError("capture failed", "dynamo graph inputs do not match example inputs")
+    for node, ex in zip(placeholders, example_inputs, strict=True):
+        if isinstance(ex, torch.SymInt | torch.SymFloat) or (
+            isinstance(ex, torch.Tensor)
+            and any(isinstance(s, torch.SymInt) for s in ex.shape)
+        ):
+            raise CaptureError(
+                "dynamic shapes", f"input {node.name} has a symbolic size; kopt specialises on "
+                "static shapes (compile with dynamic=False)"
+            )
+
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    runtime: list[int] = []
+    runtime_examples: list[Any] = []
+    for i, (node, ex) in enumerate(zip(placeholders, example_inputs, strict=True)):
+        if _is_static_input(node, ex):
+            name = f"static_{i}"
+            if isinstance(ex, torch.nn.Parameter):
+                root.register_parameter(name, ex)
+            else:
+                root.register_buffer(name, ex)
+            env[node] = graph.get_attr(name)
+        else:
+            env[node] = graph.placeholder(node.name)
+            runtime.append(i)
+            runtime_examples.append(ex)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.output(pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a,
+                                         node.args[0]))
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    for name, mod in gm.named_children():
+        root.add_module(name, mod)
+    lifted = fx.GraphModule(root, graph)
+    captured = capture_module(lifted, tuple(runtime_examples))
+    captured.source = "dynamo"
+    return captured, runtime
+
+
+def _is_static_input(node: fx.Node, example: Any) -> bool:
+    # dynamo tags the parameters and buffers of nn.Modules it inlined as static inputs.
+    if isinstance(example, torch.nn.Parameter):
+        return True
+    tensor_dict = node.meta.get("tensor_dict") or {}
+    return tensor_dict.get("_dynamo_static_input_type") is not None
+
+
+def _make_flat(gm: fx.GraphModule) -> None:
+    """Drop export's input-guard hook and its pytree calling convention: callers flatten."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and not node.users and str(node.target).startswith("_guards"):
+            target = str(node.target)
+            gm.graph.erase_node(node)
+            if hasattr(gm, target):
+                delattr(gm, target)
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
+            # export's dtype/device checks on intermediates: capture is already specialised on
+            # the input signature, and these extra users would block every pattern match.
+            gm.graph.erase_node(node)
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()  # export's pytree input check; callers check signatures
+    gm._forward_pre_hooks_with_kwargs.clear()
+    gm.recompile()
+    for node in gm.graph.nodes:
+        if node.op != "output" and node.users and "val" not in node.meta:
+            raise CaptureError("capture failed", f"node {node.name} has no traced value")
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost traceback frame in the user's code (outside torch and kopt)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_TORCH_DIR) and not path.startswith(_KOPT_DIR):
+            code = f" `{frame.line.strip()}`" if frame.line else ""
+            return f"{frame.filename}:{frame.lineno}{code}"
+    return None
+
+
+def _classify(exc: BaseException) -> CaptureError:
+    where = _user_frame(exc)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, GuardOnDataDependentSymNode):
+        return CaptureError(
+            "data-dependent control flow",
+            "the model branches on a tensor value, which a static graph cannot capture "
+            f"({first})",
+            where,
+        )
+    unsupported = (
+        torch._subclasses.fake_tensor.UnsupportedOperatorException,
+        torch._subclasses.fake_tensor.DynamicOutputShapeException,
+        torch._subclasses.fake_tensor.DataDependentOutputException,
+    )
+    if isinstance(exc, unsupported) or "not supported" in first or "unsupported" in first.lower():
+        return CaptureError("unsupported operation", first, where)
+    return CaptureError("capture failed", f"{type(exc).__name__}: {first}", where)

@@ -1,0 +1,48 @@
+"""Graph utilities shared by capture, patterns, passes and verification.
+
+Everything here works on aten-level ``torch.fx`` graphs as produced by :mod:`kopt.capture`:
+every node carries a fake tensor (or a Python value) in ``node.meta["val"]``, parameters and
+buffers are ``get_attr`` nodes.
+"""
+
+from kopt.graph.deps import (
+    constant_nodes,
+    dependency_sets,
+    to_networkx,
+)
+from kopt.graph.query import (
+    attr,
+    fake_mode_of,
+    is_tensor_node,
+    op_name,
+    tensor_meta,
+    val,
+)
+from kopt.graph.splice import (
+    add_constant,
+    copy_graph_module,
+    eliminate_dead,
+    infer_meta,
+    inline_graph,
+    prune_unused_attributes,
+    stable_topo_sort,
+)
+
+__all__ = [
+    "add_constant",
+    "attr",
+    "constant_nodes",
+    "copy_graph_module",
+    "dependency_sets",
+    "eliminate_dead",
+    "fake_mode_of",
+    "infer_meta",
+    "inline_graph",
+    "is_tensor_node",
+    "op_name",
+    "prune_unused_attributes",
+    "stable_topo_sort",
+    "tensor_meta",
+    "to_networkx",
+    "val",
+]

@@ -1,0 +1,56 @@
+"""Read-only questions about nodes: their value, shape, dtype, and a printable op name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def val(node: Any) -> Any:
+    """The traced value of ``node`` (a fake tensor or Python value); non-nodes are returned as is."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("val")
+    return node
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def tensor_meta(node: fx.Node) -> torch.Tensor:
+    """The fake tensor of ``node``; raises if the node does not produce exactly one tensor."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"node {node.name} ({op_name(node)}) has no tensor value: {type(value)}")
+    return value
+
+
+def op_name(node: fx.Node) -> str:
+    """A short, stable name of what a node computes: ``aten.linear``, ``placeholder``, ..."""
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
+    """The fake mode that produced the graph's metadata (one per captured graph)."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError("graph has no fake-tensor metadata; capture it with kopt.capture first")
+    return mode
+
+
+def attr(module: torch.nn.Module, target: str) -> Any:
+    """The value of a ``get_attr`` target (a dotted path such as ``blocks.0.attn.to_q.weight``)."""
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,138 @@
+"""Graph surgery: copying, inlining a traced subgraph, adding constants, dead-code removal."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from kopt.graph.query import fake_mode_of
+
+# Attributes kopt adds to a graph module (packed weights, folded constants) carry this prefix.
+KOPT_PREFIX = "_kopt_"
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copied graph that shares the attributes (weights) of ``gm``.
+
+    Cheap enough to snapshot a graph before every pass: no tensor is copied.
+    """
+    graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    graph._codegen = gm.graph._codegen
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta.update(gm.meta)
+    return new
+
+
+def eliminate_dead(gm: fx.GraphModule) -> None:
+    gm.graph.eliminate_dead_code()
+    prune_unused_attributes(gm)
+    gm.recompile()
+
+
+def prune_unused_attributes(gm: fx.GraphModule) -> None:
+    """Drop kopt-made attributes that no ``get_attr`` node reads any more."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [name for name, _ in gm.named_buffers(recurse=False)]:
+        if name.startswith(KOPT_PREFIX) and name not in used:
+            delattr(gm, name)
+
+
+def add_constant(gm: fx.GraphModule, value: torch.Tensor, hint: str) -> fx.Node:
+    """Store ``value`` on ``gm`` under a fresh name and return a ``get_attr`` node reading it.
+
+    The node is placed before the first non-placeholder node, so every user can see it.
+    """
+    base = KOPT_PREFIX + "".join(c if c.isalnum() else "_" for c in hint)
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    gm.register_buffer(name, value, persistent=False)
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        node = gm.graph.get_attr(name)
+    node.meta["val"] = fake_mode_of(gm).from_tensor(value, static_shapes=True)
+    return node
+
+
+def infer_meta(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Compute ``node.meta["val"]`` by running its target on the fake values of its inputs."""
+    mode = fake_mode_of(gm)
+
+    def to_fake(a: Any) -> Any:
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    args = pytree.tree_map(to_fake, node.args)
+    kwargs = pytree.tree_map(to_fake, node.kwargs)
+    with mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def inline_graph(
+    gm: fx.GraphModule,
+    sub: fx.Graph,
+    inputs: Mapping[str, Any],
+    before: fx.Node,
+) -> list[Any]:
+    """Copy the nodes of ``sub`` into ``gm.graph`` before ``before``.
+
+    ``inputs`` maps each placeholder name of ``sub`` to a node (or Python value) of ``gm``.
+    Returns the copied values of ``sub``'s outputs, flattened. Metadata (``val``) is copied.
+    """
+    env: dict[fx.Node, Any] = {}
+    outputs: Sequence[Any] = ()
+    with gm.graph.inserting_before(before):
+        for node in sub.nodes:
+            if node.op == "placeholder":
+                env[node] = inputs[node.name]
+            elif node.op == "output":
+                outputs = pytree.tree_leaves(node.args[0])
+            elif node.op == "get_attr":
+                raise ValueError(f"replacement graphs may not read attributes ({node.target})")
+            else:
+                new = gm.graph.node_copy(node, lambda n: env[n])
+                new.meta = dict(node.meta)
+                env[node] = new
+    return [env[o] if isinstance(o, fx.Node) else o for o in outputs]
+
+
+def stable_topo_sort(graph: fx.Graph) -> None:
+    """Reorder nodes so every node follows its inputs, keeping the existing order otherwise.
+
+    Rewrites insert replacements at their anchor; a replacement output whose users sit earlier
+    in the graph (a multi-output pattern) or an input defined later (a weight transposed next to
+    its use) is put right by this.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if all(order[i] < order[n] for n in graph.nodes for i in n.all_input_nodes):
+        return
+    import heapq
+
+    indegree = {n: len(set(n.all_input_nodes)) for n in graph.nodes}
+    ready = [(order[n], n.name) for n in graph.nodes if indegree[n] == 0]
+    by_name = {n.name: n for n in graph.nodes}
+    heapq.heapify(ready)
+    sorted_nodes: list[fx.Node] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        node = by_name[name]
+        sorted_nodes.append(node)
+        for user in node.users:
+            indegree[user] -= 1
+            if indegree[user] == 0:
+                heapq.heappush(ready, (order[user], user.name))
+    if len(sorted_nodes) != len(order):
+        raise RuntimeError("graph has a cycle after rewriting")
+    cursor = sorted_nodes[0]
+    first = next(iter(graph.nodes))
+    if first is not cursor:
+        first.prepend(cursor)
+    for node in sorted_nodes[1:]:
+        cursor.append(node)
+        cursor = node

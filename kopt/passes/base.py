@@ -1,0 +1,128 @@
+"""What a pass is and what it returns.
+
+A pass rewrites a GraphModule in place and returns a typed :class:`PassResult`; it never counts
+into globals. :class:`RewritePass` applies a registry of rewrites (owned by the pass instance) in
+benefit order, skipping sites that overlap an earlier rewrite or that a guard rejects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from kopt.graph import stable_topo_sort
+from kopt.graph.splice import eliminate_dead
+from kopt.patterns.core import Match, Numerics, Rejection, Rewrite
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one pass (or one site) on fresh random inputs."""
+
+    passed: bool
+    tier: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{'passed' if self.passed else 'FAILED'} ({self.tier}: {self.detail})"
+
+
+@dataclass(frozen=True)
+class PassResult:
+    name: str
+    matched: int
+    rejected: dict[str, int]
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+    sites: tuple[str, ...] = ()
+    rejections: tuple[Rejection, ...] = field(default=(), repr=False)
+    notes: tuple[str, ...] = ()
+    verdict: Verdict | None = None
+    reverted: tuple[str, ...] = ()  # sites undone because they failed verification
+
+
+def count_nodes(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
+
+
+class Pass:
+    """Interface of a pass. ``run`` may be limited to some ``sites`` (used to revert failures)."""
+
+    name: str
+    numerics: Numerics
+
+    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        """Stable across runs; changes when the pass's code or configuration changes."""
+        h = hashlib.sha256()
+        h.update(inspect.getsource(type(self)).encode())
+        h.update(self.config_key().encode())
+        return h.hexdigest()[:16]
+
+    def config_key(self) -> str:
+        return ""
+
+
+class RewritePass(Pass):
+    """Applies its rewrites, most beneficial first, each site at most once."""
+
+    def __init__(self, name: str, rewrites: Sequence[Rewrite]) -> None:
+        self.name = name
+        self.rewrites = sorted(rewrites, key=lambda r: -r.benefit)
+        tiers = {r.numerics.tier for r in self.rewrites}
+        # The pass is only as exact as its least exact rewrite.
+        self.numerics = next(
+            (r.numerics for r in self.rewrites if r.numerics.tier == "tolerance"),
+            self.rewrites[0].numerics,
+        ) if tiers else Numerics("exact", "no rewrites")
+
+    def config_key(self) -> str:
+        return "\n".join(f"{r.name}:{r.benefit}:{r.source_key()}" for r in self.rewrites)
+
+    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
+        t0 = time.perf_counter()
+        before = count_nodes(gm)
+        taken: set[fx.Node] = set()
+        applied: list[str] = []
+        rejections: list[Rejection] = []
+        for rewrite in self.rewrites:
+            for found in list(rewrite.find(gm)):
+                if isinstance(found, Rejection):
+                    rejections.append(found)
+                    continue
+                match: Match = found
+                if taken.intersection(match.nodes):
+                    rejections.append(Rejection(rewrite.name, match.site,
+                                                "overlaps a site of a higher-benefit rewrite"))
+                    continue
+                if sites is not None and match.site not in sites:
+                    continue
+                reason = rewrite.guard(gm, match)
+                if reason is not None:
+                    rejections.append(Rejection(rewrite.name, match.site, reason))
+                    continue
+                rewrite.apply(gm, match)
+                taken.update(match.nodes)
+                applied.append(match.site)
+        stable_topo_sort(gm.graph)
+        eliminate_dead(gm)
+        counted = Counter(r.reason for r in rejections if not r.near_miss)
+        return PassResult(
+            name=self.name,
+            matched=len(applied),
+            rejected=dict(counted),
+            nodes_before=before,
+            nodes_after=count_nodes(gm),
+            seconds=time.perf_counter() - t0,
+            sites=tuple(applied),
+            rejections=tuple(rejections),
+        )

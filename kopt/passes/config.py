@@ -1,0 +1,32 @@
+"""PassConfig: one field per pass, passed explicitly. Ablation is flipping fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """Which passes run. Every field is a pass of the pipeline in :mod:`kopt.passes.pipeline`."""
+
+    merge_projections: bool = True
+    """N >= 2 projections of one activation -> one GEMM over weights concatenated at load."""
+
+    fold_constants: bool = True
+    """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""
+
+    def replace(self, **changes: bool) -> PassConfig:
+        unknown = set(changes) - set(self.pass_names())
+        if unknown:
+            raise ValueError(
+                f"unknown pass {sorted(unknown)}; passes are {', '.join(self.pass_names())}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def pass_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def enabled(self) -> tuple[str, ...]:
+        return tuple(name for name in self.pass_names() if getattr(self, name))

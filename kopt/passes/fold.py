@@ -1,0 +1,153 @@
+"""Load-time constant folding: every parameter-only subgraph is evaluated once, not per call.
+
+The merge pass's weight concatenations, transposes of weights, and (with the FP8 mode) weight
+quantization and scale packing depend only on parameters and buffers. This pass evaluates the
+frontier of that constant region -- constant nodes with a per-call user -- and replaces each by a
+stored tensor. The computation is kept as a *load program* (a small GraphModule reading the
+original parameters) so that :class:`kopt.api.OptimizedModule` can re-run it when a parameter is
+changed in place or replaced, instead of serving stale packed weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from kopt.graph import add_constant, attr, constant_nodes
+from kopt.graph.splice import eliminate_dead
+from kopt.passes.base import Pass, PassResult, count_nodes
+from kopt.patterns.core import exact
+
+# A folded tensor larger than this, and larger than what it is computed from, is left per call:
+# storing e.g. an expanded all-ones mask would trade a cheap kernel for a lot of memory.
+MAX_GROWTH_BYTES = 64 << 20
+
+
+@dataclass
+class LoadProgram:
+    """Recomputes the folded constants of a graph module from its original attributes."""
+
+    graph_module: fx.GraphModule  # no inputs; returns the folded values in ``targets`` order
+    targets: tuple[str, ...]  # attribute names on the optimized graph module
+    sources: tuple[str, ...]  # attribute names it reads (the model's parameters and buffers)
+
+    def run(self) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(self.graph_module())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class FoldConstants(Pass):
+    name = "fold_constants"
+    numerics = exact("the same ops on the same parameters, evaluated once at load instead of "
+                     "at every call")
+
+    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
+        t0 = time.perf_counter()
+        before = count_nodes(gm)
+        consts = constant_nodes(gm.graph)
+        frontier = [
+            n for n in gm.graph.nodes
+            if n in consts and n.op == "call_function"
+            and any(u not in consts for u in n.users)
+            and (sites is None or n.name in sites)
+        ]
+        if not frontier:
+            return PassResult(self.name, 0, {}, before, before, time.perf_counter() - t0)
+
+        load_gm = _extract(gm, frontier, consts)
+        values = LoadProgram(load_gm, (), ()).run()
+        source_bytes = {
+            n.target: _nbytes(attr(gm, n.target)) for n in load_gm.graph.nodes
+            if n.op == "get_attr"
+        }
+        storages = {attr(gm, t).untyped_storage().data_ptr() for t in source_bytes}
+        rejected: dict[str, int] = {}
+        targets, kept_values, folded = [], [], []
+        added = 0
+        for node, value in zip(frontier, values, strict=True):
+            inputs = sum(source_bytes.get(a.target, 0) for a in _attr_inputs(node))
+            if _nbytes(value) > MAX_GROWTH_BYTES and _nbytes(value) > inputs:
+                reason = "folded value would be larger than its inputs and > 64 MiB"
+                rejected[reason] = rejected.get(reason, 0) + 1
+                continue
+            const = add_constant(gm, value, hint=node.name)
+            node.replace_all_uses_with(const)
+            targets.append(const.target)
+            kept_values.append(value)
+            folded.append(node.name)
+            if value.untyped_storage().data_ptr() not in storages:
+                added += _nbytes(value)
+        eliminate_dead(gm)
+
+        still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+        unread = sum(b for t, b in source_bytes.items() if t not in still_read)
+        keep = [i for i, n in enumerate(frontier) if n.name in folded]
+        program = LoadProgram(_select_outputs(load_gm, keep), tuple(targets), tuple(source_bytes))
+        programs: list[LoadProgram] = gm.meta.setdefault("kopt_load_programs", [])
+        programs.append(program)
+        notes = (
+            f"memory: +{_mib(added)} of packed constants; {_mib(unread)} of parameters no "
+            "longer read per call (still held by the model)",
+        )
+        return PassResult(
+            name=self.name,
+            matched=len(folded),
+            rejected=rejected,
+            nodes_before=before,
+            nodes_after=count_nodes(gm),
+            seconds=time.perf_counter() - t0,
+            sites=tuple(folded),
+            notes=notes,
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def _attr_inputs(node: fx.Node) -> list[fx.Node]:
+    seen, stack, out = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            out.append(n)
+        stack.extend(n.all_input_nodes)
+    return out
+
+
+def _extract(gm: fx.GraphModule, frontier: list[fx.Node], consts: set[fx.Node]) -> fx.GraphModule:
+    """A GraphModule (sharing ``gm``'s attributes) computing the frontier nodes from constants."""
+    needed: set[fx.Node] = set()
+    stack = list(frontier)
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[n] for n in frontier))
+    return fx.GraphModule(gm, graph)
+
+
+def _select_outputs(load: fx.GraphModule, keep: list[int]) -> fx.GraphModule:
+    out = next(n for n in load.graph.nodes if n.op == "output")
+    values = out.args[0]
+    out.args = (tuple(values[i] for i in keep),)
+    load.graph.eliminate_dead_code()
+    load.recompile()
+    return load

@@ -1,0 +1,132 @@
+"""The pipeline: every pass and its order, in one screen.
+
+Each pass runs on a copy of the graph; the copy is kept only if it passes verification at the
+pass's declared tier. A pass that fails is retried site by site (bisecting), keeping the sites
+that verify and reporting the ones reverted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+from kopt.graph import copy_graph_module
+from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
+from kopt.passes.config import PassConfig
+from kopt.passes.fold import FoldConstants
+from kopt.patterns.projections import MERGE_PROJECTIONS
+from kopt.verify import VerifyOptions, compare
+
+log = logging.getLogger("kopt")
+
+# (PassConfig field, factory) in pipeline order.
+PIPELINE: tuple[tuple[str, Callable[[], Pass]], ...] = (
+    ("merge_projections", lambda: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
+    ("fold_constants", FoldConstants),  # last: packs what the passes above left on weights
+)
+
+
+def build_passes(config: PassConfig) -> list[Pass]:
+    return [factory() for name, factory in PIPELINE if getattr(config, name)]
+
+
+class PassManager:
+    """Runs the configured passes with verification; one line per pass goes to the log."""
+
+    def __init__(
+        self,
+        config: PassConfig = PassConfig(),
+        verify: VerifyOptions = VerifyOptions(),
+        dump_dir: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.verify = verify
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.passes = build_passes(config)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(repr(self.config).encode())
+        for p in self.passes:
+            h.update(p.uuid().encode())
+        return h.hexdigest()[:16]
+
+    def run(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> tuple[fx.GraphModule, list[PassResult]]:
+        results: list[PassResult] = []
+        self._dump(gm, "00_captured")
+        for i, p in enumerate(self.passes, start=1):
+            candidate = copy_graph_module(gm)
+            result = p.run(candidate)
+            verdict = None
+            if result.matched and self.verify.enabled:
+                verdict = compare(gm, candidate, example_inputs, p.numerics, self.verify)
+                if not verdict.passed:
+                    candidate, result, verdict = self._salvage(p, gm, example_inputs, result,
+                                                               verdict)
+            result = replace(result, verdict=verdict)
+            log.info("%s", format_pass_line(result))
+            results.append(result)
+            gm = candidate
+            self._dump(gm, f"{i:02d}_{p.name}")
+        return gm, results
+
+    def _salvage(
+        self, p: Pass, gm: fx.GraphModule, example: Sequence[Any], first: PassResult,
+        failed: Verdict,
+    ) -> tuple[fx.GraphModule, PassResult, Verdict]:
+        """Keep the sites of a failed pass that verify on their own (bisection)."""
+        log.warning("%s failed verification (%s); bisecting its %d sites", p.name,
+                    failed.detail, len(first.sites))
+
+        def verifies(sites: list[str]) -> bool:
+            cand = copy_graph_module(gm)
+            p.run(cand, set(sites))
+            return compare(gm, cand, example, p.numerics, self.verify).passed
+
+        def good(sites: list[str]) -> list[str]:
+            if not sites or verifies(sites):
+                return sites
+            if len(sites) == 1:
+                return []
+            mid = len(sites) // 2
+            return good(sites[:mid]) + good(sites[mid:])
+
+        keep = good(list(first.sites)) if len(first.sites) > 1 else []
+        if keep:
+            cand = copy_graph_module(gm)
+            result = p.run(cand, set(keep))
+            verdict = compare(gm, cand, example, p.numerics, self.verify)
+            if not verdict.passed:  # sites that verify alone fail together: undo them all
+                keep = []
+        reverted = tuple(s for s in first.sites if s not in keep)
+        if not keep:
+            cand = copy_graph_module(gm)
+            result = replace(first, matched=0, sites=(), nodes_after=first.nodes_before)
+            verdict = Verdict(False, failed.tier,
+                              f"{failed.detail}; all {len(reverted)} sites reverted")
+        else:
+            verdict = Verdict(True, verdict.tier, f"{verdict.detail}; {len(reverted)} failing "
+                                                  f"sites reverted ({failed.detail})")
+        result = replace(result, reverted=reverted, rejections=first.rejections,
+                         rejected=first.rejected)
+        return cand, result, verdict
+
+    def _dump(self, gm: fx.GraphModule, stem: str) -> None:
+        if self.dump_dir is None:
+            return
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        text = gm.print_readable(print_output=False, include_stride=False, include_device=True)
+        (self.dump_dir / f"{stem}.py").write_text(text)
+
+
+def format_pass_line(r: PassResult) -> str:
+    verdict = str(r.verdict) if r.verdict else ("not verified" if r.matched else "-")
+    return (f"{r.name:<20} matched {r.matched:>4}  rejected {sum(r.rejected.values()):>4}  "
+            f"nodes {r.nodes_before:>5} -> {r.nodes_after:<5} {r.seconds:7.2f} s  {verdict}")

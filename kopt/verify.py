@@ -1,0 +1,173 @@
+"""Verification: a rewritten graph against the graph before it, on fresh random inputs.
+
+Each pass declares a numerics tier (:class:`kopt.patterns.core.Numerics`):
+
+* ``exact`` -- every output bitwise equal (NaNs in the same places) on every seed.
+* ``tolerance`` -- against an fp64 run of the graph before the pass, the relative error
+  (Frobenius norm) of the rewritten graph is at most ``factor`` x the error of the graph before
+  it, with the output dtype's unit roundoff as the floor of the latter. This bounds what a
+  rewrite may lose relative to the original, whatever the model's own precision is.
+
+Inputs are drawn afresh per seed: floating tensors from a normal with the example's mean and
+standard deviation, so a timestep stays a timestep-sized number; integer and bool tensors (ids,
+positions, masks) and Python values are kept, since random ids or masks change the model's
+control of data rather than its numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from kopt.passes.base import Verdict
+from kopt.patterns.core import Numerics
+
+# Unit roundoff per dtype: the floor of the error a rewrite is compared against.
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
+
+_UPCAST = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    enabled: bool = True
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+
+def random_inputs(example: Sequence[Any], seed: int) -> list[Any]:
+    """Fresh inputs shaped like ``example`` (flat leaves), reproducible from ``seed``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out: list[Any] = []
+    for leaf in example:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel() > 0:
+            ref = leaf.detach().float()
+            mean = ref.mean().item()
+            std = ref.std().item() if leaf.numel() > 1 else 0.0
+            std = std if std > 0 else max(abs(mean), 1.0)
+            noise = torch.randn(leaf.shape, generator=gen, dtype=torch.float32)
+            out.append((noise * std + mean).to(dtype=leaf.dtype, device=leaf.device))
+        elif isinstance(leaf, torch.Tensor):
+            out.append(leaf.clone())
+        else:
+            out.append(leaf)
+    return out
+
+
+def run_flat(gm: fx.GraphModule, inputs: Sequence[Any]) -> list[Any]:
+    with torch.no_grad():
+        return list(pytree.tree_leaves(gm(*inputs)))
+
+
+class _Upcast(fx.Interpreter):
+    """Runs a graph with every floating tensor and floating dtype argument promoted to fp64."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        return pytree.tree_map(_to64, result) if n.op in ("placeholder", "get_attr") else result
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        args = pytree.tree_map(_dtype64, args)
+        kwargs = pytree.tree_map(_dtype64, kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def _to64(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in _UPCAST:
+        return x.to(torch.float64)
+    return x
+
+
+def _dtype64(x: Any) -> Any:
+    return torch.float64 if isinstance(x, torch.dtype) and x in _UPCAST else x
+
+
+def run_fp64(gm: fx.GraphModule, inputs: Sequence[Any]) -> list[Any]:
+    with torch.no_grad():
+        return list(pytree.tree_leaves(_Upcast(gm).run(*inputs)))
+
+
+def compare(
+    before: fx.GraphModule,
+    after: fx.GraphModule,
+    example: Sequence[Any],
+    numerics: Numerics,
+    options: VerifyOptions = VerifyOptions(),
+) -> Verdict:
+    """Check ``after`` against ``before`` at ``numerics``'s tier on ``options.seeds``."""
+    worst_ratio = 0.0
+    worst_detail = ""
+    for seed in options.seeds:
+        inputs = random_inputs(example, seed)
+        want = run_flat(before, inputs)
+        try:
+            got = run_flat(after, inputs)
+        except Exception as exc:  # noqa: BLE001 -- a rewrite that crashes has failed
+            return Verdict(False, numerics.tier, f"seed {seed}: rewritten graph raised "
+                                                 f"{type(exc).__name__}: {exc}")
+        if len(got) != len(want):
+            return Verdict(False, numerics.tier, f"{len(got)} outputs instead of {len(want)}")
+        if numerics.tier == "exact":
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                problem = _bitwise_problem(g, w)
+                if problem:
+                    return Verdict(False, "exact", f"seed {seed}, output {i}: {problem}")
+            continue
+        ref = run_fp64(before, inputs)
+        for i, (g, w, r) in enumerate(zip(got, want, ref, strict=True)):
+            if not (isinstance(w, torch.Tensor) and w.is_floating_point()):
+                problem = _bitwise_problem(g, w)
+                if problem:
+                    return Verdict(False, numerics.tier, f"seed {seed}, output {i}: {problem}")
+                continue
+            if g.shape != w.shape or g.dtype != w.dtype:
+                return Verdict(False, numerics.tier, f"seed {seed}, output {i}: "
+                               f"{g.dtype}{list(g.shape)} instead of {w.dtype}{list(w.shape)}")
+            err_after = _rel_err(g, r)
+            err_before = max(_rel_err(w, r), UNIT_ROUNDOFF.get(w.dtype, 2.0**-24))
+            ratio = err_after / err_before
+            if ratio > numerics.factor or err_after != err_after:
+                return Verdict(False, numerics.tier, f"seed {seed}, output {i}: relative error "
+                               f"{err_after:.3g} vs fp64 > {numerics.factor:g} x {err_before:.3g}")
+            if ratio >= worst_ratio:
+                worst_ratio = ratio
+                worst_detail = f"rel. error {err_after:.2g} vs fp64, original {err_before:.2g}"
+    n = len(options.seeds)
+    if numerics.tier == "exact":
+        return Verdict(True, "exact", f"bitwise equal on {n} seeds")
+    return Verdict(True, "tolerance", f"worst {worst_detail}, bound {numerics.factor:g}x, "
+                                      f"{n} seeds")
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.to(torch.float64)
+    denom = torch.linalg.vector_norm(ref).item()
+    num = torch.linalg.vector_norm(x.to(torch.float64) - ref).item()
+    return num / denom if denom > 0 else num
+
+
+def _bitwise_problem(got: Any, want: Any) -> str | None:
+    if not isinstance(want, torch.Tensor):
+        return None if got == want else f"{got!r} != {want!r}"
+    if not isinstance(got, torch.Tensor):
+        return f"expected a tensor, got {type(got).__name__}"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{got.dtype}{list(got.shape)} instead of {want.dtype}{list(want.shape)}"
+    if want.is_floating_point():
+        nan_w, nan_g = torch.isnan(want), torch.isnan(got)
+        if not torch.equal(nan_w, nan_g):
+            return "NaNs in different places"
+        if not torch.equal(got[~nan_g], want[~nan_w]):
+            diff = (got.double() - want.double()).abs().nan_to_num().max().item()
+            return f"not bitwise equal (max abs diff {diff:.3g})"
+        return None
+    return None if torch.equal(got, want) else "values differ"
