@@ -20,7 +20,7 @@ from kopt.capture import (
     flatten_inputs,
     input_signature,
 )
-from kopt.graph import attr
+from kopt.graph import attr, module_path
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
 from kopt.passes.pipeline import format_pass_line
@@ -30,6 +30,8 @@ log = logging.getLogger("kopt")
 
 # Distinct input signatures one OptimizedModule specialises for before it stops re-optimizing.
 MAX_SPECIALIZATIONS = 8
+# Sites listed per pass in a report unless verbose.
+DETAIL_LINES = 8
 
 
 @dataclass
@@ -70,9 +72,11 @@ class Report:
                                       if len(names) > 1 else "") + ":"]
         for r in self.passes:
             said = False
-            for s in r.sites:
-                if s in names:
-                    lines.append(f"  {r.name}: rewritten at {s}")
+            for i, s in enumerate(r.sites):
+                covered = set(r.site_nodes[i]) if i < len(r.site_nodes) else {s}
+                if names & (covered | {s}):
+                    detail = f" ({r.details[i]})" if i < len(r.details) else ""
+                    lines.append(f"  {r.name}: rewritten in site {s}{detail}")
                     said = True
             for s in r.reverted:
                 if s in names:
@@ -89,11 +93,19 @@ class Report:
         return "\n".join(lines)
 
     def __str__(self) -> str:
+        return self.format()
+
+    def format(self, verbose: bool = False) -> str:
         out = [f"kopt report: {self.model}",
                f"capture: {self.capture}, {self.nodes_captured} nodes, "
                f"{self.capture_seconds:.2f} s"]
         for r in self.passes:
             out.append("  " + format_pass_line(r))
+            shown = r.details if verbose else r.details[:DETAIL_LINES]
+            for d in shown:
+                out.append(f"      {d}")
+            if len(r.details) > len(shown):
+                out.append(f"      ... {len(r.details) - len(shown)} more sites (--verbose)")
             for reason, n in sorted(r.rejected.items(), key=lambda kv: -kv[1]):
                 out.append(f"      rejected x{n}: {reason}")
             for s in r.reverted:
@@ -107,18 +119,8 @@ class Report:
 
 
 def nodes_of_module(gm: fx.GraphModule, path: str) -> set[str]:
-    """Names of the nodes traced inside the module at ``path`` (from export's module stack)."""
-    out = set()
-    for node in gm.graph.nodes:
-        stack = node.meta.get("nn_module_stack") or {}
-        if any(_clean_path(p) == path for p, _ in stack.values()):
-            out.add(node.name)
-    return out
-
-
-def _clean_path(p: str) -> str:
-    # export records paths like "L['self'].blocks[0].attn" or "blocks.0.attn"
-    return p.replace("L['self'].", "").replace("[", ".").replace("]", "")
+    """Names of the nodes traced directly in the module at ``path`` (export's module stack)."""
+    return {n.name for n in gm.graph.nodes if module_path(n) == path}
 
 
 class _Specialization:
@@ -176,6 +178,11 @@ class OptimizedModule:
     @property
     def reports(self) -> list[Report]:
         return [s.report for s in self._specs.values()]
+
+    @property
+    def captured_graph(self) -> fx.GraphModule:
+        """The graph as captured, before any pass (node names in reports refer to it)."""
+        return self._specs[self._first_key].captured.gm
 
     @property
     def graph_module(self) -> fx.GraphModule:

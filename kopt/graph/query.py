@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def val(node: Any) -> Any:
-    """The traced value of ``node`` (a fake tensor or Python value); non-nodes are returned as is."""
+    """The traced value of ``node`` (a fake tensor or a Python value); non-nodes as is."""
     if isinstance(node, fx.Node):
         return node.meta.get("val")
     return node
@@ -54,3 +54,18 @@ def attr(module: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The innermost module the node was traced in (``blocks.0.attn.to_q``), if recorded."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path.replace("L['self'].", "") or None
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """Every module on the node's stack, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [p.replace("L['self'].", "") for p, _ in stack.values()]

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 
 from kopt.models import flux2, llm, qwen_image
-from kopt.models._common import Workload
+from kopt.models._common import Workload, main_output
 
-__all__ = ["MODEL_NAMES", "Workload", "build"]
+__all__ = ["MODEL_NAMES", "Workload", "build", "main_output"]
 
 _BUILDERS: tuple[tuple[str, Callable[..., Workload], str], ...] = (
     ("qwen-image-tiny", qwen_image.build, "tiny"),

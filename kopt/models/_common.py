@@ -42,6 +42,23 @@ class Workload:
     calls_per_step: int
     description: str
 
+    def run(self, model: Callable | None = None) -> torch.Tensor:
+        """The main output of ``model`` (default: the workload's own) on the example inputs."""
+        with torch.no_grad():
+            out = (self.model if model is None else model)(*self.args, **self.kwargs)
+        return main_output(out)
+
+
+def main_output(out: object) -> torch.Tensor:
+    """The main output tensor, whatever container a model returns it in."""
+    if isinstance(out, tuple | list):
+        return out[0]
+    for field in ("last_hidden_state", "sample"):
+        value = getattr(out, field, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return out
+
 
 def is_meta(device: torch.device) -> bool:
     return device.type == "meta"

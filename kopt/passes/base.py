@@ -42,6 +42,8 @@ class PassResult:
     nodes_after: int
     seconds: float
     sites: tuple[str, ...] = ()
+    details: tuple[str, ...] = ()  # one readable line per site, parallel to ``sites``
+    site_nodes: tuple[tuple[str, ...], ...] = ()  # the nodes each site replaced
     rejections: tuple[Rejection, ...] = field(default=(), repr=False)
     notes: tuple[str, ...] = ()
     verdict: Verdict | None = None
@@ -93,6 +95,8 @@ class RewritePass(Pass):
         before = count_nodes(gm)
         taken: set[fx.Node] = set()
         applied: list[str] = []
+        details: list[str] = []
+        site_nodes: list[tuple[str, ...]] = []
         rejections: list[Rejection] = []
         for rewrite in self.rewrites:
             for found in list(rewrite.find(gm)):
@@ -110,6 +114,8 @@ class RewritePass(Pass):
                 if reason is not None:
                     rejections.append(Rejection(rewrite.name, match.site, reason))
                     continue
+                details.append(rewrite.describe(match))
+                site_nodes.append(tuple(n.name for n in match.nodes))
                 rewrite.apply(gm, match)
                 taken.update(match.nodes)
                 applied.append(match.site)
@@ -124,5 +130,7 @@ class RewritePass(Pass):
             nodes_after=count_nodes(gm),
             seconds=time.perf_counter() - t0,
             sites=tuple(applied),
+            details=tuple(details),
+            site_nodes=tuple(site_nodes),
             rejections=tuple(rejections),
         )

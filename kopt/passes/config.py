@@ -10,6 +10,9 @@ from dataclasses import dataclass
 class PassConfig:
     """Which passes run. Every field is a pass of the pipeline in :mod:`kopt.passes.pipeline`."""
 
+    cse: bool = True
+    """Common-subexpression elimination: one node per distinct pure computation."""
+
     merge_projections: bool = True
     """N >= 2 projections of one activation -> one GEMM over weights concatenated at load."""
 

@@ -19,6 +19,7 @@ from torch import fx
 from kopt.graph import copy_graph_module
 from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
 from kopt.passes.config import PassConfig
+from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.verify import VerifyOptions, compare
@@ -27,6 +28,7 @@ log = logging.getLogger("kopt")
 
 # (PassConfig field, factory) in pipeline order.
 PIPELINE: tuple[tuple[str, Callable[[], Pass]], ...] = (
+    ("cse", EliminateCommonSubexpressions),  # first: exposes shared inputs to the merge
     ("merge_projections", lambda: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
     ("fold_constants", FoldConstants),  # last: packs what the passes above left on weights
 )
@@ -65,13 +67,17 @@ class PassManager:
             candidate = copy_graph_module(gm)
             result = p.run(candidate)
             verdict = None
+            log.info("kopt: [%d/%d] %s: %d rewrites in %.2f s%s", i, len(self.passes), p.name,
+                     result.matched, result.seconds,
+                     f"; verifying on {len(self.verify.seeds)} seeds"
+                     if result.matched and self.verify.enabled else "")
             if result.matched and self.verify.enabled:
                 verdict = compare(gm, candidate, example_inputs, p.numerics, self.verify)
                 if not verdict.passed:
                     candidate, result, verdict = self._salvage(p, gm, example_inputs, result,
                                                                verdict)
             result = replace(result, verdict=verdict)
-            log.info("%s", format_pass_line(result))
+            log.debug("%s", format_pass_line(result))
             results.append(result)
             gm = candidate
             self._dump(gm, f"{i:02d}_{p.name}")

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.operator_schemas import normalize_function
 from torch.utils import _pytree as pytree
 
-from kopt.graph import fake_mode_of, inline_graph, op_name
+from kopt.graph import fake_mode_of, inline_graph, module_path, op_name
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class Numerics:
 
     ``exact``: outputs bitwise equal to the original graph's.
     ``tolerance``: against an fp64 run of the original graph, the rewritten graph's relative error
-    (Frobenius norm) is at most ``factor`` times the original's, or ``factor`` unit roundoffs of
-    the output dtype when the original happens to be more accurate than that.
+    (Frobenius norm) is at most ``factor`` times the original's, or ``factor`` times the dtype's
+    floor (:data:`kopt.verify.RTOL_FLOOR`) when the original is more accurate than that.
     """
 
     tier: Literal["exact", "tolerance"]
@@ -107,6 +107,11 @@ class Rewrite:
     def apply(self, gm: fx.GraphModule, match: Match) -> None:
         raise NotImplementedError
 
+    def describe(self, match: Match) -> str:
+        """One human-readable line for a site (module paths where export recorded them)."""
+        path = module_path(match.anchor)
+        return f"{match.site} ({path})" if path else match.site
+
     def source_key(self) -> str:
         """Text that changes when the rewrite's behaviour changes (for pass uuids)."""
         raise NotImplementedError
@@ -126,6 +131,10 @@ class StructuralRewrite(Rewrite):
     benefit: int = 1
     description: str = ""
     guard_fn: GuardFn | None = None
+    describer: Callable[[Match], str] | None = None
+
+    def describe(self, match: Match) -> str:
+        return self.describer(match) if self.describer else super().describe(match)
 
     def find(self, gm: fx.GraphModule) -> Iterator[Match | Rejection]:
         yield from self.matcher(gm)
@@ -307,7 +316,7 @@ class _MatchState:
                 raise _NoMatch(f"{where}: expected {pa!r}, the graph passes {ga!r}")
             for i, (x, y) in enumerate(zip(pa, ga, strict=True)):
                 self.match_arg(x, y, f"{where}[{i}]")
-        elif isinstance(pa, float | int) and not isinstance(pa, bool) and pa in self.scalar_sentinels:
+        elif _is_number(pa) and pa in self.scalar_sentinels:
             self.match_scalar(self.scalar_sentinels[pa][0], ga, where)
         elif pa != ga or type(pa) is not type(ga):
             raise _NoMatch(f"{where}: expected {pa!r}, the graph passes {ga!r}")
@@ -352,6 +361,10 @@ def _normalized(node: fx.Node) -> dict[str, Any]:
     out = {f"arg{i}": a for i, a in enumerate(node.args)}
     out.update(node.kwargs)
     return out
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, float | int) and not isinstance(x, bool)
 
 
 def _nm(x: Any) -> str:

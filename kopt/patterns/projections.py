@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from kopt.graph import constant_nodes, infer_meta, tensor_meta
+from kopt.graph import constant_nodes, infer_meta, module_path, tensor_meta
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
 
 aten = torch.ops.aten
@@ -135,6 +135,19 @@ def merge_parallel_projections(gm: fx.GraphModule, match: Match) -> None:
         g.erase_node(p.node)
 
 
+def describe_merge(match: Match) -> str:
+    """``blocks.0.attn.{to_q,to_k,to_v}`` -- the merged modules, common prefix factored out."""
+    paths = [module_path(p.node) or p.node.name for p in match.bindings["projections"]]
+    parts = [p.split(".") for p in paths]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    prefix = ".".join(parts[0][:common])
+    rest = ",".join(".".join(p[common:]) for p in parts)
+    text = f"{prefix}.{{{rest}}}" if prefix else f"{{{rest}}}"
+    return f"{len(paths)} projections of {match.bindings['input'].name}: {text}"
+
+
 NAME = "merge_projections"
 
 MERGE_PROJECTIONS = StructuralRewrite(
@@ -148,4 +161,5 @@ MERGE_PROJECTIONS = StructuralRewrite(
     ),
     benefit=10,
     description="x@Wq, x@Wk, x@Wv -> split(x@[Wq;Wk;Wv])",
+    describer=describe_merge,
 )

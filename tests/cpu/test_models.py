@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kopt.models import MODEL_NAMES, Workload, build
+from kopt.models import MODEL_NAMES, build
 from kopt.models._common import generator
 
 # (name, shape kwargs): the tiny workloads, decode and prefill both for the LLM.
@@ -21,27 +21,18 @@ TINY_IDS = ["qwen-image", "qwen-image-padded", "flux2", "llm-prefill", "llm-deco
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _output(workload: Workload) -> torch.Tensor:
-    """The main output tensor, whatever container the model returns it in."""
-    with torch.no_grad():
-        out = workload.model(*workload.args, **workload.kwargs)
-    if isinstance(out, tuple):
-        return out[0]
-    return getattr(out, "last_hidden_state", out)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("name", "shape"), TINY, ids=TINY_IDS)
 def test_tiny_runs_and_is_seeded(name: str, shape: dict, dtype: torch.dtype) -> None:
     workload = build(name, dtype=dtype, seed=0, **shape)
-    out = _output(workload)
+    out = workload.run()
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
     assert out.float().std() > 0.1  # not collapsed to a constant by a degenerate init
     # Same seed: bitwise the same; calling twice changes nothing (the decode cache is rewound).
-    assert torch.equal(out, _output(build(name, dtype=dtype, seed=0, **shape)))
-    assert torch.equal(out, _output(workload))
-    assert not torch.equal(out, _output(build(name, dtype=dtype, seed=1, **shape)))
+    assert torch.equal(out, build(name, dtype=dtype, seed=0, **shape).run())
+    assert torch.equal(out, workload.run())
+    assert not torch.equal(out, build(name, dtype=dtype, seed=1, **shape).run())
 
 
 @pytest.mark.parametrize(("name", "shape"), TINY, ids=TINY_IDS)
@@ -76,7 +67,7 @@ def test_decode_step_matches_uncached_forward() -> None:
     tokens = torch.cat([prompt, workload.kwargs["input_ids"]], dim=1)
     with torch.no_grad():
         reference = decoder(input_ids=tokens, use_cache=False).last_hidden_state[:, -1:]
-    torch.testing.assert_close(_output(workload), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(workload.run(), reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

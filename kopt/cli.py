@@ -1,0 +1,142 @@
+"""The ``kopt`` command line.
+
+    kopt optimize [--model qwen-image-tiny|flux2-tiny|llm-tiny|...|module:function] ...
+
+Exit codes: 0 done, 1 the model could not be captured, 2 bad arguments or unknown model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class UsageError(Exception):
+    """Bad arguments: reported on stderr with exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from kopt.models import MODEL_NAMES
+    from kopt.passes import PassConfig
+
+    p = argparse.ArgumentParser(prog="kopt", description="Graph-rewriting optimizer for "
+                                "PyTorch inference.")
+    sub = p.add_subparsers(dest="command", required=True)
+    o = sub.add_parser("optimize", help="capture a model, run the passes, verify, print the "
+                       "report")
+    o.add_argument("--model", default="qwen-image-tiny",
+                   help=f"one of {', '.join(MODEL_NAMES)}, or module:function returning a "
+                   "kopt.models.Workload or (model, args[, kwargs]) (default: %(default)s)")
+    o.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    o.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    o.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
+    o.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE",
+                   help="workload shape, e.g. --shape height=512 --shape text_tokens=64")
+    o.add_argument("--disable", action="append", default=[], metavar="PASS",
+                   choices=PassConfig.pass_names(), help="turn a pass off (repeatable)")
+    o.add_argument("--no-verify", action="store_true", help="skip verification (not advised)")
+    o.add_argument("--seeds", type=int, default=3, help="verification seeds (default: 3)")
+    o.add_argument("--explain", metavar="NODE", action="append", default=[],
+                   help="say why a node (graph node name or module path such as "
+                   "transformer_blocks.0.attn.to_q) was or was not rewritten")
+    o.add_argument("--dump", metavar="DIR", help="write the graph before and after each pass")
+    o.add_argument("--verbose", "-v", action="store_true", help="list every rewritten site")
+    o.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _parse_shape(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--shape expects KEY=VALUE, got {item!r}")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def _load_workload(args: argparse.Namespace) -> tuple[str, torch.nn.Module, tuple, dict]:
+    from kopt.models import MODEL_NAMES, Workload, build
+
+    dtype = DTYPES[args.dtype]
+    if ":" in args.model:
+        module_name, _, fn_name = args.model.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"cannot load {args.model!r}: {exc}") from exc
+        made = fn()
+        if isinstance(made, Workload):
+            return made.name, made.model, made.args, made.kwargs
+        if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0],
+                                                                          torch.nn.Module):
+            kwargs = made[2] if len(made) == 3 else {}
+            return args.model, made[0], tuple(made[1]), dict(kwargs)
+        raise UsageError(f"{args.model} must return a kopt.models.Workload or "
+                         "(model, args[, kwargs])")
+    if args.model not in MODEL_NAMES:
+        raise UsageError(f"unknown model {args.model!r}; choose one of "
+                         f"{', '.join(MODEL_NAMES)} or give module:function")
+    try:
+        w = build(args.model, device=args.device, dtype=dtype, seed=args.seed,
+                  **_parse_shape(args.shape))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    return f"{w.name} ({w.description})", w.model, w.args, w.kwargs
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    import kopt
+    from kopt.api import optimize
+    from kopt.passes import PassConfig
+    from kopt.verify import VerifyOptions
+
+    name, model, margs, mkwargs = _load_workload(args)
+    config = PassConfig().replace(**{p: False for p in args.disable})
+    verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
+    print(f"kopt {kopt.__version__}: optimizing {name}; torch {torch.__version__}, "
+          f"{args.dtype} on {args.device}", flush=True)
+    try:
+        opt = optimize(model, margs, mkwargs, config, verify=verify, dump_dir=args.dump)
+    except kopt.CaptureError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    report = opt.report
+    report.model = name
+    print(report.format(verbose=args.verbose))
+    for node in args.explain:
+        print(report.explain(node, opt.captured_graph))
+    if args.dump:
+        print(f"graphs written to {args.dump}/")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # torch's own pytree deprecation notices are not the user's concern here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        if args.command == "optimize":
+            return _optimize(args)
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"kopt: error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""torch.compile(model, backend="kopt"): registered by entry point, matches eager at the
+declared tier with both inner compilers, and falls back cleanly where kopt cannot apply."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from kopt import KoptError
+from kopt.capture import capture_module, flatten_inputs
+from kopt.models import main_output
+from kopt.verify import RTOL_FLOOR, relative_error, run_fp64
+from tests.fixtures import QKV
+
+
+def test_backend_is_found_through_the_entry_point_without_import() -> None:
+    code = (
+        "import sys, torch\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "f = torch.compile(m, backend='kopt', options={'inner': 'eager'})\n"
+        "x = torch.randn(2, 4)\n"
+        "assert torch.equal(f(x), m(x))\n"
+        "assert 'kopt' not in sys.modules or 'kopt.backend' in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny", "llm-tiny"])
+def test_compiled_models_match_eager_at_the_declared_tier(tiny, name: str, inner: str) -> None:  # noqa: ANN001
+    torch._dynamo.reset()
+    w = tiny[name]
+    reports: list = []
+    compiled = torch.compile(w.model, backend="kopt",
+                             options={"inner": inner, "reports": reports})
+    got = w.run(compiled)
+    want = w.run()
+    assert len(reports) == 1 and reports[0].verified
+    assert reports[0].result("merge_projections").matched >= 4
+    flat, _ = flatten_inputs(w.args, w.kwargs)
+    ref = main_output(run_fp64(capture_module(w.model, w.args, w.kwargs).gm, flat))
+    # merge_projections is the least exact pass: tolerance tier, 2x the original's error
+    bound = 2 * max(relative_error(want, ref), RTOL_FLOOR[want.dtype])
+    assert relative_error(got, ref) <= bound
+    if inner == "eager":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_graph_break_gives_two_optimized_graphs() -> None:
+    torch._dynamo.reset()
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = QKV(16), QKV(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.a(x)
+            if y.sum() > 0:  # graph break
+                y = y * 2
+            return self.b(y)
+
+    model = Broken().eval()
+    reports: list = []
+    f = torch.compile(model, backend="kopt", options={"inner": "eager", "reports": reports})
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(reports) >= 2
+    assert sum(r.result("merge_projections").matched for r in reports) == 2
+
+
+def test_dynamic_shapes_fall_back_unoptimized_with_a_reason(caplog) -> None:  # noqa: ANN001
+    torch._dynamo.reset()
+    model = QKV(16).eval()
+    reports: list = []
+    f = torch.compile(model, backend="kopt", dynamic=True,
+                      options={"inner": "eager", "reports": reports})
+    x = torch.randn(5, 16)
+    with caplog.at_level(logging.WARNING, logger="kopt"):
+        torch.testing.assert_close(f(x), model(x))
+    assert reports == []
+    assert any("dynamic shapes" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_options_are_named() -> None:
+    torch._dynamo.reset()
+    model = nn.Linear(4, 4)
+    with pytest.raises(Exception, match="unknown kopt backend option"):
+        torch.compile(model, backend="kopt", options={"innr": "eager"})(torch.randn(2, 4))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="inner must be one of"):
+        torch.compile(model, backend="kopt", options={"inner": "tvm"})(torch.randn(2, 4))
+    assert issubclass(KoptError, Exception)
+
+
+def test_config_dict_turns_passes_off() -> None:
+    torch._dynamo.reset()
+    model = QKV(16).eval()
+    reports: list = []
+    f = torch.compile(model, backend="kopt", options={
+        "inner": "eager", "reports": reports, "config": {"merge_projections": False}})
+    f(torch.randn(3, 16))
+    assert [r.name for r in reports[0].passes] == ["cse", "fold_constants"]

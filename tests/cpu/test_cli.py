@@ -1,0 +1,52 @@
+"""The kopt command line: the README's first command, errors with exit code 2, explain, dumps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kopt.cli import main
+from tests.fixtures import QKV
+
+
+def test_default_command_prints_the_report(capsys) -> None:  # noqa: ANN001
+    assert main(["optimize", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizing qwen-image-tiny" in out
+    assert "transformer_blocks.0.attn.{to_q,to_k,to_v}" in out
+    assert "transformer_blocks.1.attn.{add_q_proj,add_k_proj,add_v_proj}" in out
+    assert "verification passed" in out
+
+
+def test_unknown_model_and_bad_arguments_exit_2(capsys) -> None:  # noqa: ANN001
+    assert main(["optimize", "--model", "nope", "-q"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["optimize", "--shape", "height", "-q"]) == 2
+    assert main(["optimize", "--model", "no_such_module:fn", "-q"]) == 2
+    proc = subprocess.run([sys.executable, "-m", "kopt.cli", "optimize", "--disable", "nope"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def qkv_workload() -> tuple:
+    return QKV().eval(), (torch.randn(2, 37),)
+
+
+def test_module_function_explain_and_dump(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    code = main(["optimize", "--model", "tests.cpu.test_cli:qkv_workload", "-q",
+                 "--explain", "out", "--explain", "k", "--dump", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "explain out" in out and "no other projection reads its input" in out
+    assert "explain k" in out and "rewritten in site" in out
+    dumped = sorted(p.name for p in tmp_path.iterdir())
+    assert dumped[0] == "00_captured.py" and "02_merge_projections.py" in dumped
+
+
+def test_disable_turns_a_pass_off(capsys) -> None:  # noqa: ANN001
+    assert main(["optimize", "--model", "llm-tiny", "--disable", "merge_projections", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "merge_projections" not in out.split("kopt report")[1]

@@ -1,0 +1,143 @@
+"""The rewrite engine: pattern rewrites fire, near misses explain themselves, guards record
+reasons, benefit orders rewrites, uuids track code and config."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from kopt.capture import capture_module
+from kopt.graph import copy_graph_module, stable_topo_sort
+from kopt.passes import PassConfig, PassManager, RewritePass
+from kopt.patterns import PatternRewrite, exact
+
+aten = torch.ops.aten
+
+
+def _vec() -> list[torch.Tensor]:
+    return [torch.randn(4)]
+
+
+# neg(neg(x)) -> x
+DOUBLE_NEG = PatternRewrite(
+    "double_neg", lambda x: torch.neg(torch.neg(x)), lambda x: x, _vec,
+    exact("negation is exact"),
+)
+# neg(x) -> x * -1  (contained in DOUBLE_NEG: must lose to it)
+NEG_TO_MUL = PatternRewrite(
+    "neg_to_mul", lambda x: torch.neg(x), lambda x: x * -1.0, _vec, exact("x*-1 == -x"),
+)
+# x * c -> x + x * (c - 1), c bound as a scalar wildcard
+SCALE = PatternRewrite(
+    "scale", lambda x, c: x * c, lambda x, c: x + x * (c - 1), _vec, exact("demo"),
+    scalars={"c": 0.123456},
+)
+
+
+def _graph(fn, *shapes) -> fx.GraphModule:  # noqa: ANN001
+    class M(nn.Module):
+        def forward(self, *xs):  # noqa: ANN002, ANN202
+            return fn(*xs)
+
+    return capture_module(M(), tuple(torch.randn(s) for s in shapes)).gm
+
+
+def _targets(gm: fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_pattern_fires_with_exact_count_and_removes_ops() -> None:
+    gm = _graph(lambda x, y: torch.neg(torch.neg(x)) + torch.neg(torch.neg(y)), (3, 4), (3, 4))
+    assert _targets(gm).count(aten.neg.default) == 4
+    result = RewritePass("p", [DOUBLE_NEG]).run(gm)
+    assert result.matched == 2
+    assert aten.neg.default not in _targets(gm)
+    assert _targets(gm) == [aten.add.Tensor]
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    assert torch.equal(gm(x, y)[0], x + y)
+
+
+def test_near_miss_extra_user_is_explained() -> None:
+    def fn(x):  # noqa: ANN001, ANN202
+        inner = torch.neg(x)
+        return torch.neg(inner), inner * 2  # inner escapes the pattern
+
+    gm = _graph(fn, (3,))
+    result = RewritePass("p", [DOUBLE_NEG]).run(gm)
+    assert result.matched == 0
+    reasons = [r.reason for r in result.rejections if r.near_miss]
+    assert any("also used by" in r for r in reasons), reasons
+    assert _targets(gm).count(aten.neg.default) == 2
+
+
+def test_near_miss_wrong_op_is_explained() -> None:
+    gm = _graph(lambda x: torch.neg(torch.relu(x)), (3,))
+    result = RewritePass("p", [DOUBLE_NEG]).run(gm)
+    assert result.matched == 0
+    assert any("expected aten.neg where the graph has aten.relu" in r.reason
+               for r in result.rejections)
+
+
+def test_guard_reason_is_recorded_per_site() -> None:
+    guarded = PatternRewrite(
+        "double_neg_guarded", lambda x: torch.neg(torch.neg(x)), lambda x: x, _vec,
+        exact("negation is exact"),
+        guard=lambda gm, m: "too small" if m.bindings["x_1"].meta["val"].numel() < 10 else None,
+    )
+    gm = _graph(lambda x, y: (torch.neg(torch.neg(x)), torch.neg(torch.neg(y))), (3,), (4, 5))
+    result = RewritePass("p", [guarded]).run(gm)
+    assert result.matched == 1
+    assert result.rejected == {"too small": 1}
+
+
+def test_more_specific_pattern_outranks_the_one_it_contains() -> None:
+    assert DOUBLE_NEG.benefit > NEG_TO_MUL.benefit
+    gm = _graph(lambda x: torch.neg(torch.neg(x)), (3,))
+    # Registered in the "wrong" order on purpose: the pass sorts by benefit.
+    result = RewritePass("p", [NEG_TO_MUL, DOUBLE_NEG]).run(gm)
+    assert result.sites and all(s for s in result.sites)
+    assert _targets(gm) == []  # neg(neg(x)) -> x, not x*-1*-1
+    gm2 = _graph(lambda x: torch.neg(x), (3,))
+    assert RewritePass("p", [NEG_TO_MUL, DOUBLE_NEG]).run(gm2).matched == 1
+    assert _targets(gm2) == [aten.mul.Tensor]
+
+
+def test_scalar_wildcard_binds_the_literal() -> None:
+    gm = _graph(lambda x: x * 3.0, (5,))
+    result = RewritePass("p", [SCALE]).run(gm)
+    assert result.matched == 1
+    x = torch.randn(5)
+    assert torch.allclose(gm(x)[0], x * 3.0)
+    assert aten.add.Tensor in _targets(gm)
+
+
+def test_pass_manager_uuid_is_stable_and_tracks_config_and_code() -> None:
+    assert PassManager(PassConfig()).uuid() == PassManager(PassConfig()).uuid()
+    assert PassManager(PassConfig()).uuid() != PassManager(PassConfig(cse=False)).uuid()
+    a = RewritePass("p", [DOUBLE_NEG]).uuid()
+    b = RewritePass("p", [NEG_TO_MUL]).uuid()
+    assert a != b and a == RewritePass("p", [DOUBLE_NEG]).uuid()
+
+
+def test_pass_config_fields_are_the_pipeline() -> None:
+    from kopt.passes import PIPELINE
+
+    assert tuple(name for name, _ in PIPELINE) == PassConfig.pass_names()
+    try:
+        PassConfig().replace(no_such_pass=False)
+    except ValueError as exc:
+        assert "no_such_pass" in str(exc)
+    else:
+        raise AssertionError("unknown pass accepted")
+
+
+def test_stable_topo_sort_restores_order_and_keeps_the_rest() -> None:
+    gm = _graph(lambda x: (x + 1) * 2 - 3, (3,))
+    gm2 = copy_graph_module(gm)
+    nodes = [n for n in gm2.graph.nodes if n.op == "call_function"]
+    add, mul, sub = nodes
+    add.prepend(sub)  # sub now before its input mul: invalid
+    stable_topo_sort(gm2.graph)
+    gm2.graph.lint()
+    assert [n.target for n in gm2.graph.nodes if n.op == "call_function"] == [
+        aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor]

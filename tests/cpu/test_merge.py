@@ -1,0 +1,194 @@
+"""merge_projections: fires (exact counts, ops removed/added), does not fire on near misses,
+keeps numerics at its declared tier; fires in every block of the three reference models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import kopt
+from kopt.capture import capture_module
+from kopt.graph import constant_nodes
+from kopt.passes import PassConfig, RewritePass
+from kopt.patterns import MERGE_PROJECTIONS
+from kopt.verify import VerifyOptions, compare
+from tests.fixtures import QKV
+
+aten = torch.ops.aten
+MERGE_ONLY = PassConfig(cse=False, fold_constants=False)
+
+
+def _linears(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is aten.linear.default]
+
+
+def _merge(model: nn.Module, *args: torch.Tensor):  # noqa: ANN202
+    cap = capture_module(model, args)
+    result = RewritePass("merge_projections", [MERGE_PROJECTIONS]).run(cap.gm)
+    return cap, result
+
+
+def test_fires_once_on_qkv_and_replaces_three_gemms_by_one() -> None:
+    cap, result = _merge(QKV().eval(), torch.randn(2, 5, 37))
+    assert result.matched == 1
+    linears = _linears(cap.gm)
+    assert len(linears) == 2  # merged q/k/v + the output projection
+    merged = linears[0]
+    assert merged.meta["val"].shape[-1] == 37 + 18 + 40
+    splits = [n for n in cap.gm.graph.nodes if n.target is aten.split_with_sizes.default]
+    assert len(splits) == 1 and splits[0].args[1] == [37, 18, 40]
+    cats = [n for n in cap.gm.graph.nodes if n.target is aten.cat.default]
+    assert len(cats) == 2  # weights and biases, both load-time constants
+    assert all(c in constant_nodes(cap.gm.graph) for c in cats)
+
+
+def test_optimize_packs_weights_at_load_time() -> None:
+    model = QKV().eval()
+    x = torch.randn(2, 5, 37)
+    opt = kopt.optimize(model, (x,))
+    gm = opt.graph_module
+    assert not any(n.target is aten.cat.default for n in gm.graph.nodes)
+    consts = constant_nodes(gm.graph)
+    assert all(n.op == "get_attr" for n in consts)  # no op on parameters runs per call
+    assert opt.report.result("merge_projections").matched == 1
+    assert opt.report.result("fold_constants").matched >= 2
+    torch.testing.assert_close(opt(x), model(x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_numerics_tier_on_awkward_shapes(bias: bool) -> None:
+    # one row, odd features, long K: the merged GEMM must stay within the tolerance tier
+    for rows, dim in [(1, 37), (3, 1024), (7, 129)]:
+        model = QKV(dim, bias=bias).eval()
+        x = torch.randn(rows, dim)
+        cap = capture_module(model, (x,))
+        before = cap.gm
+        after = kopt.graph.copy_graph_module(before)
+        assert RewritePass("m", [MERGE_PROJECTIONS]).run(after).matched == 1
+        verdict = compare(before, after, [x], MERGE_PROJECTIONS.numerics,
+                          VerifyOptions(seeds=(0, 1, 2, 3)))
+        assert verdict.passed, verdict
+
+
+def test_does_not_fire_on_different_inputs() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, y):  # noqa: ANN001, ANN201
+            return self.a(x) + self.b(y)
+
+    cap, result = _merge(M().eval(), torch.randn(2, 8), torch.randn(2, 8))
+    assert result.matched == 0 and len(_linears(cap.gm)) == 2
+    assert all("no other projection" in r.reason for r in result.rejections)
+
+
+def test_does_not_fire_through_an_op_in_between() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return self.a(x) + self.b(torch.relu(x))
+
+    cap, result = _merge(M().eval(), torch.randn(2, 8))
+    assert result.matched == 0 and len(_linears(cap.gm)) == 2
+
+
+def test_does_not_fire_on_mismatched_dtypes() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b.to(torch.float64)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return self.a(x), self.b(x.double())
+
+    class N(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return self.a(x), self.b(x)
+
+    _, result = _merge(M().eval(), torch.randn(2, 8))
+    assert result.matched == 0  # x and x.double() are different activations
+    _, result = _merge(N().eval(), torch.randn(2, 8))
+    assert result.matched == 0
+    assert any("bias/no-bias mismatch" in r for r in result.rejected)
+
+
+def test_does_not_fire_on_a_per_call_weight() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x, s):  # noqa: ANN001, ANN201
+            return nn.functional.linear(x, self.w1 * s), nn.functional.linear(x, self.w2)
+
+    _, result = _merge(M().eval(), torch.randn(2, 8), torch.randn(8, 8))
+    assert result.matched == 0
+    assert "weight is computed per call, not a load-time constant" in result.rejected
+
+
+def test_weights_changed_in_place_are_repacked_and_replaced_ones_reoptimized() -> None:
+    model = QKV().eval()
+    x = torch.randn(2, 5, 37)
+    opt = kopt.optimize(model, (x,), verify=VerifyOptions(seeds=(0,)))
+    with torch.no_grad():
+        model.k.weight.mul_(3.0)  # in place: the packed [q;k;v] must follow
+    torch.testing.assert_close(opt(x), model(x), rtol=0, atol=1e-5)
+    model.v.weight = nn.Parameter(torch.randn_like(model.v.weight))  # a new object
+    torch.testing.assert_close(opt(x), model(x), rtol=0, atol=1e-5)
+
+
+# Expected merges per model: (description of the group, module path suffixes merged).
+EXPECTED = {
+    "qwen-image-tiny": [
+        "transformer_blocks.0.attn.{to_q,to_k,to_v}",
+        "transformer_blocks.0.attn.{add_q_proj,add_k_proj,add_v_proj}",
+        "transformer_blocks.1.attn.{to_q,to_k,to_v}",
+        "transformer_blocks.1.attn.{add_q_proj,add_k_proj,add_v_proj}",
+    ],
+    "flux2-tiny": [
+        "transformer_blocks.0.attn.{to_q,to_k,to_v}",
+        "transformer_blocks.0.attn.{add_q_proj,add_k_proj,add_v_proj}",
+        "transformer_blocks.1.attn.{to_q,to_k,to_v}",
+        "transformer_blocks.1.attn.{add_q_proj,add_k_proj,add_v_proj}",
+    ],
+    "llm-tiny": [
+        "layers.0.self_attn.{q_proj,k_proj,v_proj}",
+        "layers.0.mlp.{gate_proj,up_proj}",
+        "layers.1.self_attn.{q_proj,k_proj,v_proj}",
+        "layers.1.mlp.{gate_proj,up_proj}",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fires_in_every_block_of_the_reference_models(tiny, name: str) -> None:  # noqa: ANN001
+    w = tiny[name]
+    opt = kopt.optimize(w.model, w.args, w.kwargs, MERGE_ONLY)
+    result = opt.report.result("merge_projections")
+    for group in EXPECTED[name]:
+        assert sum(d.endswith(group) for d in result.details) == 1, (group, result.details)
+    assert result.matched == len(EXPECTED[name])
+    assert result.verdict is not None and result.verdict.passed
+    torch.testing.assert_close(w.run(opt), w.run(), rtol=1e-5, atol=1e-5)
+
+
+def test_after_cse_the_modulation_linears_of_all_blocks_merge(tiny) -> None:  # noqa: ANN001
+    w = tiny["qwen-image-tiny"]
+    opt = kopt.optimize(w.model, w.args, w.kwargs)
+    details = opt.report.result("merge_projections").details
+    mod = [d for d in details if "img_mod" in d]
+    assert len(mod) == 1
+    for block in (0, 1):
+        assert f"transformer_blocks.{block}.img_mod.1" in mod[0]
+        assert f"transformer_blocks.{block}.txt_mod.1" in mod[0]
