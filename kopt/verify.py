@@ -75,16 +75,28 @@ def run_flat(gm: fx.GraphModule, inputs: Sequence[Any]) -> list[Any]:
 
 
 class _Upcast(fx.Interpreter):
-    """Runs a graph with every floating tensor and floating dtype argument promoted to fp64."""
+    """Runs a graph with every floating tensor and floating dtype argument promoted to fp64.
+
+    Parameters are promoted at each use, not when read: export puts every ``get_attr`` at the
+    top of the graph, and holding a full model's weights in fp64 at once would not fit a GPU.
+    ``view`` becomes ``reshape``: a captured graph's views are valid for the strides its kernels
+    produced at capture, and the fp64 run may take another kernel (SDPA's math path) with other
+    strides; the values are the same either way.
+    """
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        return pytree.tree_map(_to64, result) if n.op in ("placeholder", "get_attr") else result
+        return pytree.tree_map(_to64, result) if n.op == "placeholder" else result
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        args = pytree.tree_map(_dtype64, args)
-        kwargs = pytree.tree_map(_dtype64, kwargs)
+        args = pytree.tree_map(_dtype64, pytree.tree_map(_to64, args))
+        kwargs = pytree.tree_map(_dtype64, pytree.tree_map(_to64, kwargs))
+        if target in _VIEWS:
+            target = torch.ops.aten.reshape.default
         return super().call_function(target, args, kwargs)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def _to64(x: Any) -> Any:
