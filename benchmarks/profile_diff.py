@@ -25,18 +25,23 @@ from kopt.passes import PassConfig
 from kopt.verify import VerifyOptions
 
 
-def kernel_totals(fn, iters: int = 3) -> dict[str, float]:  # noqa: ANN001
+def kernel_totals(fn, iters: int = 3) -> tuple[dict[str, float], dict[str, float]]:  # noqa: ANN001
+    """(GPU time per kernel name, GPU time per launching aten op), ms per forward."""
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:90]] += e.device_time / 1e3 / iters  # ms per forward
-    return out
+            kernels[e.name[:90]] += e.device_time / 1e3 / iters
+    ops: dict[str, float] = defaultdict(float)
+    for a in prof.key_averages():
+        if a.key.startswith("aten::") and a.self_device_time_total > 0:
+            ops[a.key] += a.self_device_time_total / 1e3 / iters
+    return kernels, ops
 
 
 def main() -> None:
@@ -61,8 +66,13 @@ def main() -> None:
         runners[name] = lambda spec=spec: spec.gm(*flat)
         row[f"{name}_ms"] = time_ms(runners[name], 10)
         print(f"{name}: {row[f'{name}_ms']:.2f} ms (eager {row['eager_ms']:.2f})", flush=True)
-    base = kernel_totals(lambda: w.run())
-    new = kernel_totals(runners["kopt"])
+    base, base_ops = kernel_totals(lambda: w.run())
+    new, new_ops = kernel_totals(runners["kopt"])
+    print(f"{'aten op (self GPU time)':<40} {'eager':>8} {'kopt':>8}  calls")
+    op_keys = sorted(set(base_ops) | set(new_ops),
+                     key=lambda k: -abs(new_ops.get(k, 0) - base_ops.get(k, 0)))
+    for k in op_keys[:15]:
+        print(f"{k:<40} {base_ops.get(k, 0):8.3f} {new_ops.get(k, 0):8.3f}")
     keys = sorted(set(base) | set(new), key=lambda k: -abs(new.get(k, 0) - base.get(k, 0)))
     row["eager_kernel_ms"] = sum(base.values())
     row["kopt_kernel_ms"] = sum(new.values())
@@ -70,7 +80,7 @@ def main() -> None:
           f"kopt {row['kopt_kernel_ms']:.2f} ms")
     print(f"{'kernel':<90} {'eager':>8} {'kopt':>8}")
     row["diff"] = []
-    for k in keys[:25]:
+    for k in keys[:12]:
         print(f"{k:<90} {base.get(k, 0):8.3f} {new.get(k, 0):8.3f}")
         row["diff"].append((k, base.get(k, 0), new.get(k, 0)))
     if args.out:
