@@ -10,6 +10,9 @@ from dataclasses import dataclass
 class PassConfig:
     """Which passes run. Every field is a pass of the pipeline in :mod:`kopt.passes.pipeline`."""
 
+    remove_noops: bool = True
+    """Drop copies a functional graph has and eager mode does not (eval-mode dropout)."""
+
     cse: bool = True
     """Common-subexpression elimination: one node per distinct pure computation."""
 

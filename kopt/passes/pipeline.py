@@ -21,6 +21,7 @@ from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
+from kopt.passes.noop import RemoveNoOps
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.verify import VerifyOptions, compare
 
@@ -28,6 +29,7 @@ log = logging.getLogger("kopt")
 
 # (PassConfig field, factory) in pipeline order.
 PIPELINE: tuple[tuple[str, Callable[[], Pass]], ...] = (
+    ("remove_noops", RemoveNoOps),
     ("cse", EliminateCommonSubexpressions),  # first: exposes shared inputs to the merge
     ("merge_projections", lambda: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
     ("fold_constants", FoldConstants),  # last: packs what the passes above left on weights

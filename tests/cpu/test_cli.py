@@ -43,7 +43,8 @@ def test_module_function_explain_and_dump(tmp_path: Path, capsys) -> None:  # no
     assert "explain out" in out and "no other projection reads its input" in out
     assert "explain k" in out and "rewritten in site" in out
     dumped = sorted(p.name for p in tmp_path.iterdir())
-    assert dumped[0] == "00_captured.py" and "02_merge_projections.py" in dumped
+    assert dumped[0] == "00_captured.py"
+    assert any(d.endswith("_merge_projections.py") for d in dumped)
 
 
 def test_disable_turns_a_pass_off(capsys) -> None:  # noqa: ANN001
