@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -112,8 +113,6 @@ def stable_topo_sort(graph: fx.Graph) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     if all(order[i] < order[n] for n in graph.nodes for i in n.all_input_nodes):
         return
-    import heapq
-
     indegree = {n: len(set(n.all_input_nodes)) for n in graph.nodes}
     ready = [(order[n], n.name) for n in graph.nodes if indegree[n] == 0]
     by_name = {n.name: n for n in graph.nodes}

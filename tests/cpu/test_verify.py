@@ -71,39 +71,37 @@ def test_pass_failing_everywhere_is_fully_reverted() -> None:
     assert torch.equal(gm(x)[0], model(x))
 
 
-def test_exact_tier_detects_a_change_of_one_ulp() -> None:
-    model = TwoScales().eval()
-    x = torch.randn(3, 6)
-    cap = capture_module(model, (x,))
+def _with_output_changed(x: torch.Tensor, change) -> tuple:  # noqa: ANN001
+    """(graph of TwoScales, a copy whose output goes through ``change(graph, out_node)``)."""
+    cap = capture_module(TwoScales().eval(), (x,))
     after = copy_graph_module(cap.gm)
-    for node in after.graph.nodes:
-        if node.op == "output":
-            with after.graph.inserting_before(node):
-                bumped = after.graph.call_function(torch.ops.aten.mul.Tensor,
-                                                   (node.args[0][0], 1.0 + 2.0**-23))
-            node.args = ((bumped,),)
+    out = next(n for n in after.graph.nodes if n.op == "output")
+    with after.graph.inserting_before(out):
+        changed = change(after.graph, out.args[0][0])
+    out.args = ((changed,),)
     after.recompile()
-    verdict = compare(cap.gm, after, [x], exact("test"))
+    return cap.gm, after
+
+
+def test_exact_tier_detects_a_change_of_one_ulp() -> None:
+    x = torch.randn(3, 6)
+    before, after = _with_output_changed(
+        x, lambda g, o: g.call_function(torch.ops.aten.mul.Tensor, (o, 1.0 + 2.0**-23)))
+    verdict = compare(before, after, [x], exact("test"))
     assert not verdict.passed and "not bitwise equal" in verdict.detail
     # ... which the tolerance tier accepts: one ulp is far inside the fp32 floor
-    assert compare(cap.gm, after, [x], tolerance("test")).passed
+    assert compare(before, after, [x], tolerance("test")).passed
 
 
 def test_tolerance_tier_rejects_a_real_loss_of_precision() -> None:
-    model = TwoScales().eval()
+    def through_bf16(g, o):  # noqa: ANN001, ANN202
+        cast = torch.ops.aten._to_copy.default
+        low = g.call_function(cast, (o,), {"dtype": torch.bfloat16})
+        return g.call_function(cast, (low,), {"dtype": torch.float32})
+
     x = torch.randn(64, 6)
-    cap = capture_module(model, (x,))
-    after = copy_graph_module(cap.gm)
-    for node in after.graph.nodes:
-        if node.op == "output":
-            with after.graph.inserting_before(node):
-                low = after.graph.call_function(torch.ops.aten._to_copy.default,
-                                                (node.args[0][0],), {"dtype": torch.bfloat16})
-                back = after.graph.call_function(torch.ops.aten._to_copy.default, (low,),
-                                                 {"dtype": torch.float32})
-            node.args = ((back,),)
-    after.recompile()
-    verdict = compare(cap.gm, after, [x], tolerance("test"))
+    before, after = _with_output_changed(x, through_bf16)
+    verdict = compare(before, after, [x], tolerance("test"))
     assert not verdict.passed and "relative error" in verdict.detail
 
 
