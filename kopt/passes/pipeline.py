@@ -65,6 +65,7 @@ class PassManager:
     ) -> tuple[fx.GraphModule, list[PassResult]]:
         results: list[PassResult] = []
         self._dump(gm, "00_captured")
+        self._dump_patterns()
         for i, p in enumerate(self.passes, start=1):
             candidate = copy_graph_module(gm)
             result = p.run(candidate)
@@ -125,6 +126,23 @@ class PassManager:
         result = replace(result, reverted=reverted, rejections=first.rejections,
                          rejected=first.rejected)
         return cand, result, verdict
+
+    def _dump_patterns(self) -> None:
+        """One file per rewrite: its rule, tier, benefit and (for pattern rewrites) the traced
+        pattern graph that the matcher walks."""
+        if self.dump_dir is None:
+            return
+        folder = self.dump_dir / "patterns"
+        folder.mkdir(parents=True, exist_ok=True)
+        for p in self.passes:
+            for rw in getattr(p, "rewrites", ()):
+                lines = [f"# {rw.name} (pass {p.name}): {rw.description}",
+                         f"# numerics: {rw.numerics} -- {rw.numerics.why}",
+                         f"# benefit: {rw.benefit}"]
+                graph = getattr(rw, "graph", None)
+                lines.append(str(graph) if graph is not None else
+                             "# structural rewrite: matched by a function, no pattern graph")
+                (folder / f"{rw.name}.txt").write_text("\n".join(lines) + "\n")
 
     def _dump(self, gm: fx.GraphModule, stem: str) -> None:
         if self.dump_dir is None:

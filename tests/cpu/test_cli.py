@@ -45,6 +45,8 @@ def test_module_function_explain_and_dump(tmp_path: Path, capsys) -> None:  # no
     dumped = sorted(p.name for p in tmp_path.iterdir())
     assert dumped[0] == "00_captured.py"
     assert any(d.endswith("_merge_projections.py") for d in dumped)
+    rule = (tmp_path / "patterns" / "merge_projections.txt").read_text()
+    assert "x@Wq, x@Wk, x@Wv -> split(x@[Wq;Wk;Wv])" in rule and "tolerance" in rule
 
 
 def test_disable_turns_a_pass_off(capsys) -> None:  # noqa: ANN001

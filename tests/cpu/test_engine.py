@@ -141,3 +141,13 @@ def test_stable_topo_sort_restores_order_and_keeps_the_rest() -> None:
     gm2.graph.lint()
     assert [n.target for n in gm2.graph.nodes if n.op == "call_function"] == [
         aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor]
+
+
+def test_pattern_graphs_are_dumped(tmp_path) -> None:  # noqa: ANN001
+    manager = PassManager(PassConfig(), dump_dir=tmp_path)
+    manager.passes = [RewritePass("p", [DOUBLE_NEG, SCALE])]
+    gm = _graph(lambda x: torch.neg(torch.neg(x)) * 3.0, (4,))
+    manager.run(gm, [torch.randn(4)])
+    text = (tmp_path / "patterns" / "double_neg.txt").read_text()
+    assert text.count("torch.ops.aten.neg.default") == 2 and "numerics: exact" in text
+    assert (tmp_path / "01_p.py").exists() and (tmp_path / "00_captured.py").exists()
