@@ -20,9 +20,10 @@ from kopt.capture import (
     flatten_inputs,
     input_signature,
 )
-from kopt.graph import attr, module_path
+from kopt.graph import attr, module_path, structural_key
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
+from kopt.passes.hoist import CachedRegion, cached_regions
 from kopt.passes.pipeline import format_pass_line
 from kopt.verify import VerifyOptions
 
@@ -169,6 +170,9 @@ class OptimizedModule:
         self._specs[self._first_key] = first
         self._warned = False
         self._watched = _watch_identity(model, first.gm)
+        self._regions: dict[tuple, CachedRegion] = {}
+        self._constants: dict[str, torch.Tensor] = {}
+        self._share(first)
 
     @property
     def report(self) -> Report:
@@ -178,6 +182,11 @@ class OptimizedModule:
     @property
     def reports(self) -> list[Report]:
         return [s.report for s in self._specs.values()]
+
+    @property
+    def graph_modules(self) -> list[fx.GraphModule]:
+        """The optimized graph of every input signature seen so far."""
+        return [s.gm for s in self._specs.values()]
 
     @property
     def captured_graph(self) -> fx.GraphModule:
@@ -198,6 +207,8 @@ class OptimizedModule:
         if self._replaced_parameters():
             log.warning("kopt: a parameter object of the model was replaced; re-optimizing")
             self._specs.clear()
+            self._regions.clear()
+            self._constants.clear()
         key = _key(flat, spec)
         spec_entry = self._specs.get(key)
         if spec_entry is None:
@@ -215,6 +226,7 @@ class OptimizedModule:
             spec_entry = _specialize(self.original, args, kwargs, self.config, self._verify,
                                      self._dump_dir)
             self._specs[key] = spec_entry
+            self._share(spec_entry)
             if len(self._specs) == 1:
                 self._first_key = key
                 self._watched = _watch_identity(self.original, spec_entry.gm)
@@ -223,8 +235,42 @@ class OptimizedModule:
             out = spec_entry.gm(*flat)
         return spec_entry.captured.unflatten_outputs(out)
 
+    def _share(self, spec: _Specialization) -> None:
+        """Specialisations share what they compute alike: packed constants (one copy of the
+        merged weights, not one per input signature) and hoisted regions (the two calls of a
+        CFG pair often differ in text length, another signature, but share the timestep work).
+        """
+        gm = spec.gm
+        for program in spec.programs:
+            out = next(n for n in program.graph_module.graph.nodes if n.op == "output")
+            for target, root in zip(program.targets, out.args[0], strict=True):
+                key = structural_key(program.graph_module, [root])
+                existing = self._constants.setdefault(key, getattr(gm, target))
+                for holder in _holders(gm, target):
+                    setattr(holder, target, existing)
+        for mod in cached_regions(gm):
+            mod.bind_params()
+        for name, mod in list(gm.named_children()):
+            if isinstance(mod, CachedRegion) and mod.shareable:
+                existing = self._regions.setdefault(mod.share_key(), mod)
+                if existing is not mod:
+                    setattr(gm, name, existing)
+
+    def cache_stats(self) -> dict[str, tuple[int, int]]:
+        """(hits, misses) of each hoisted region, by its key inputs."""
+        seen: dict[int, CachedRegion] = {}
+        for spec in self._specs.values():
+            for mod in cached_regions(spec.gm):
+                seen[id(mod)] = mod
+        return {"{" + ", ".join(m.key_names) + "}": (m.hits, m.misses) for m in seen.values()}
+
     def _replaced_parameters(self) -> bool:
         return any(owner.get(name) is not t for owner, name, t in self._watched)
+
+
+def _holders(gm: fx.GraphModule, target: str) -> list[torch.nn.Module]:
+    """The graph module and its submodule graphs (hoisted regions) that hold ``target``."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule) and target in m._buffers]
 
 
 def _key(flat: Sequence[Any], spec: Any) -> tuple:

@@ -66,6 +66,10 @@ class BackendOptions:
         elif verify is not None:
             out.verify = verify
         out.reports = options.get("reports")
+        if out.inner == "inductor" and out.config.hoist:
+            # Inductor would trace through the cached regions and drop the caching; their
+            # state lives in kopt's runner, which only the eager inner compiler keeps.
+            out.config = out.config.replace(hoist=False)
         return out
 
 

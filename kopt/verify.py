@@ -169,6 +169,14 @@ def _compare(
                                                  f"{type(exc).__name__}: {exc}")
         if len(got) != len(want):
             return Verdict(False, numerics.tier, f"{len(got)} outputs instead of {len(want)}")
+        if seed == options.seeds[0] and _stateful(after):
+            # A graph that keeps state across calls (cached regions) must give the same
+            # result when called again with the same inputs, i.e. on a cache hit.
+            again = run_flat(after, inputs)
+            for i, (a, g) in enumerate(zip(again, got, strict=True)):
+                if _bitwise_problem(a, g):
+                    return Verdict(False, numerics.tier, f"output {i} differs on a second call "
+                                   "with the same inputs (stale state)")
         if numerics.tier == "exact":
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 problem = _bitwise_problem(g, w)
@@ -199,6 +207,10 @@ def _compare(
         return Verdict(True, "exact", f"bitwise equal on {n} seeds")
     return Verdict(True, "tolerance", f"worst {worst_detail}, bound {numerics.factor:g}x, "
                                       f"{n} seeds")
+
+
+def _stateful(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_module" for n in gm.graph.nodes)
 
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:

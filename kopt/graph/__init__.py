@@ -12,11 +12,13 @@ from kopt.graph.deps import (
 )
 from kopt.graph.query import (
     attr,
+    describe_node,
     fake_mode_of,
     is_tensor_node,
     module_path,
     module_paths,
     op_name,
+    structural_key,
     tensor_meta,
     val,
 )
@@ -33,6 +35,7 @@ from kopt.graph.splice import (
 __all__ = [
     "add_constant",
     "attr",
+    "describe_node",
     "constant_nodes",
     "copy_graph_module",
     "dependency_sets",
@@ -46,6 +49,7 @@ __all__ = [
     "op_name",
     "prune_unused_attributes",
     "stable_topo_sort",
+    "structural_key",
     "tensor_meta",
     "to_networkx",
     "val",

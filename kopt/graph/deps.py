@@ -39,13 +39,13 @@ def constant_nodes(graph: fx.Graph) -> set[fx.Node]:
     for node in graph.nodes:
         if node.op == "get_attr":
             out.add(node)
-        elif node.op == "call_function" and not deps[node] and not _is_effectful(node):
+        elif node.op == "call_function" and not deps[node] and not is_effectful(node):
             if all(inp in out for inp in node.all_input_nodes):
                 out.add(node)
     return out
 
 
-def _is_effectful(node: fx.Node) -> bool:
+def is_effectful(node: fx.Node) -> bool:
     # A random op with constant inputs is not a constant: folding it would freeze one draw.
     tags = getattr(node.target, "tags", ())
     return node.is_impure() or torch.Tag.nondeterministic_seeded in tags

@@ -69,3 +69,35 @@ def module_paths(node: fx.Node) -> list[str]:
     """Every module on the node's stack, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
     return [p.replace("L['self'].", "") for p, _ in stack.values()]
+
+
+def describe_node(node: fx.Node) -> str:
+    """Where a node comes from: its module path, what kopt built it from, or its name."""
+    return node.meta.get("kopt_from") or module_path(node) or node.name
+
+
+def structural_key(gm: fx.GraphModule, roots: list[fx.Node]) -> str:
+    """Canonical text of what computes ``roots``: ops, arguments, placeholder names and the
+    identity of every tensor read. Equal for two graphs that compute the same values from the
+    same inputs and tensors, whatever their nodes are called."""
+    needed: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    index: dict[fx.Node, int] = {}
+    parts: list[str] = []
+    for node in gm.graph.nodes:
+        if node not in needed:
+            continue
+        index[node] = len(index)
+        if node.op == "get_attr":
+            parts.append(f"attr {id(attr(gm, node.target))}")
+            continue
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a]}")
+        target = node.name if node.op == "placeholder" else node.target
+        parts.append(f"{node.op} {target} {args}")
+    parts.append("roots " + " ".join(str(index[r]) for r in roots))
+    return "\n".join(parts)

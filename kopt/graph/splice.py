@@ -37,8 +37,10 @@ def eliminate_dead(gm: fx.GraphModule) -> None:
 
 
 def prune_unused_attributes(gm: fx.GraphModule) -> None:
-    """Drop kopt-made attributes that no ``get_attr`` node reads any more."""
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    """Drop kopt-made attributes that no ``get_attr`` node reads any more (nodes of submodule
+    graphs such as hoisted regions count: they share the attribute's tensor and name)."""
+    used = {n.target for m in gm.modules() if isinstance(m, fx.GraphModule)
+            for n in m.graph.nodes if n.op == "get_attr"}
     for name in [name for name, _ in gm.named_buffers(recurse=False)]:
         if name.startswith(KOPT_PREFIX) and name not in used:
             delattr(gm, name)

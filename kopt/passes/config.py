@@ -22,7 +22,11 @@ class PassConfig:
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""
 
-    def replace(self, **changes: bool) -> PassConfig:
+    hoist: bool | tuple[str, ...] = True
+    """Cache work that depends only on conditioning inputs (timestep modulation across a CFG
+    pair); found automatically, or a tuple of input names to treat as conditioning too."""
+
+    def replace(self, **changes: object) -> PassConfig:
         unknown = set(changes) - set(self.pass_names())
         if unknown:
             raise ValueError(

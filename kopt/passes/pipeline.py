@@ -21,23 +21,25 @@ from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
+from kopt.passes.hoist import HoistInvariants, cached_regions
 from kopt.passes.noop import RemoveNoOps
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.verify import VerifyOptions, compare
 
 log = logging.getLogger("kopt")
 
-# (PassConfig field, factory) in pipeline order.
-PIPELINE: tuple[tuple[str, Callable[[], Pass]], ...] = (
-    ("remove_noops", RemoveNoOps),
-    ("cse", EliminateCommonSubexpressions),  # first: exposes shared inputs to the merge
-    ("merge_projections", lambda: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
-    ("fold_constants", FoldConstants),  # last: packs what the passes above left on weights
+# (PassConfig field, factory of the pass from the config) in pipeline order.
+PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
+    ("remove_noops", lambda c: RemoveNoOps()),
+    ("cse", lambda c: EliminateCommonSubexpressions()),  # exposes shared inputs to the merge
+    ("merge_projections", lambda c: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
+    ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
+    ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),
 )
 
 
 def build_passes(config: PassConfig) -> list[Pass]:
-    return [factory() for name, factory in PIPELINE if getattr(config, name)]
+    return [factory(config) for name, factory in PIPELINE if getattr(config, name)]
 
 
 class PassManager:
@@ -84,6 +86,8 @@ class PassManager:
             results.append(result)
             gm = candidate
             self._dump(gm, f"{i:02d}_{p.name}")
+        for region in cached_regions(gm):
+            region.clear()  # drop what verification's random inputs left in the caches
         return gm, results
 
     def _salvage(

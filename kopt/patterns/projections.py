@@ -125,6 +125,7 @@ def merge_parallel_projections(gm: fx.GraphModule, match: Match) -> None:
         else:
             merged = g.call_function(projs[0].node.target, (x, w_cat))
         infer_meta(gm, merged)
+        merged.meta["kopt_from"] = describe_merge(match).split(": ", 1)[-1]
         parts = g.call_function(aten.split_with_sizes.default, (merged, sizes, -1))
         infer_meta(gm, parts)
         for i, p in enumerate(projs):

@@ -109,4 +109,5 @@ def test_config_dict_turns_passes_off() -> None:
     f = torch.compile(model, backend="kopt", options={
         "inner": "eager", "reports": reports, "config": {"merge_projections": False}})
     f(torch.randn(3, 16))
-    assert [r.name for r in reports[0].passes] == ["remove_noops", "cse", "fold_constants"]
+    names = [r.name for r in reports[0].passes]
+    assert "merge_projections" not in names and "cse" in names and "fold_constants" in names

@@ -1,0 +1,295 @@
+"""Hoisting: work that depends on only some of the inputs is done once per distinct value of
+those inputs, and reused across calls.
+
+    # F(x_t, t, c) and F(x_t, t, u): modulation(t) computed once for the CFG pair
+
+Classifier-free guidance runs the denoiser twice per step with the same latents and timestep and
+different text. A node whose value depends (:mod:`kopt.graph.deps`) only on *conditioning*
+inputs and parameters -- the timestep embedding and every block's modulation GEMM depend on
+``{timestep}`` (FLUX.2: ``{timestep, guidance}``) -- is the same in both calls. Each group of
+such nodes with one dependency set ``S`` becomes one :class:`CachedRegion` call in the per-call
+graph, which recomputes only when the key changes.
+
+Conditioning inputs are found automatically: floating-point tensor inputs at least
+:data:`CONDITIONING_RATIO` times smaller than the largest one (timestep and guidance are
+``[batch]``, pooled embeddings ``[batch, 768]``), as opposed to the latent and text
+activations, which change between the two calls or every step and would make a cache miss while
+holding activation-sized memory. More can be declared by name
+(``PassConfig(hoist=("hidden_states",))``: the CFG pair also shares the latents, so everything
+before block 0's joint attention on the image side is then cached too).
+
+The cache key is safe without reading tensor values (no device sync): the *identity* and version
+counter of each key input (diffusers and SGLang pass the same timestep tensor to both calls of a
+step; an in-place change bumps the version) and the version counters of the parameters the region
+reads (a weight changed in place invalidates it). Each region holds one entry: its outputs for
+the last key, so memory is bounded by one set of outputs per region, reported at build time.
+Regions without a GEMM are left per call: caching a few element-wise ops saves less than the key
+check costs, and shape/position tables are the shape-hoisting pass's job.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import fx
+
+from kopt.graph import attr, describe_node, stable_topo_sort, structural_key
+from kopt.graph.deps import is_effectful
+from kopt.graph.splice import eliminate_dead
+from kopt.passes.base import Pass, PassResult, count_nodes
+from kopt.patterns.core import exact
+
+aten = torch.ops.aten
+
+# A floating-point input this many times smaller than the largest is a conditioning input.
+CONDITIONING_RATIO = 64
+
+# Ops that make a region worth caching.
+GEMMS = {
+    aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten.matmul.default, aten.baddbmm.default, aten.convolution.default,
+    aten.scaled_dot_product_attention.default, aten._scaled_mm.default,
+}
+
+
+class CachedRegion(torch.nn.Module):
+    """Runs ``region`` unless its key inputs and parameters are the ones of the last call."""
+
+    def __init__(self, region: fx.GraphModule, key_positions: tuple[int, ...],
+                 key_names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.region = region
+        self.key_positions = key_positions
+        self.key_names = key_names
+        self.bind_params()
+        self._key_tensors: tuple[Any, ...] | None = None
+        self._versions: tuple[int, ...] = ()
+        self._outputs: Any = None
+        self.hits = 0
+        self.misses = 0
+
+    def bind_params(self) -> None:
+        """(Re)read the tensors the region's graph reads; call after swapping an attribute."""
+        self.params = [attr(self.region, n.target) for n in self.region.graph.nodes
+                       if n.op == "get_attr"]
+        self.clear()
+
+    def _versions_now(self, keys: tuple[Any, ...]) -> tuple[int, ...]:
+        return tuple(k._version for k in keys if isinstance(k, torch.Tensor)) + tuple(
+            p._version for p in self.params)
+
+    def forward(self, *args: Any) -> Any:
+        keys = tuple(args[i] for i in self.key_positions)
+        versions = self._versions_now(keys)
+        if (self._key_tensors is not None and len(keys) == len(self._key_tensors)
+                and all(a is b for a, b in zip(keys, self._key_tensors, strict=True))
+                and versions == self._versions):
+            self.hits += 1
+            return self._outputs
+        self.misses += 1
+        out = self.region(*args)
+        # Keep the key tensors alive: their ids must not be reused by other tensors.
+        self._key_tensors, self._versions, self._outputs = keys, versions, out
+        return out
+
+    @property
+    def shareable(self) -> bool:
+        """True when the key inputs are all the region reads (besides parameters): then two
+        graphs with this same region code compute the same values from the same key."""
+        n_inputs = sum(1 for n in self.region.graph.nodes if n.op == "placeholder")
+        return n_inputs == len(self.key_positions)
+
+    def share_key(self) -> tuple:
+        out = next(n for n in self.region.graph.nodes if n.op == "output")
+        return (structural_key(self.region, list(out.all_input_nodes)), self.key_names)
+
+    def cached_bytes(self) -> int:
+        vals = [n.meta.get("val") for n in self.region.graph.nodes if n.op == "output"]
+        leaves = torch.utils._pytree.tree_leaves(vals)
+        return sum(v.numel() * v.element_size() for v in leaves if isinstance(v, torch.Tensor))
+
+    def clear(self) -> None:
+        self._key_tensors, self._outputs = None, None
+
+
+class HoistInvariants(Pass):
+    name = "hoist"
+    numerics = exact("the same ops on the same values, computed at the first call with a key")
+
+    def __init__(self, declared: tuple[str, ...] = ()) -> None:
+        self.declared = tuple(declared)
+
+    def config_key(self) -> str:
+        return repr(self.declared)
+
+    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
+        t0 = time.perf_counter()
+        before = count_nodes(gm)
+        regions, reason = plan_regions(gm.graph, self.declared)
+        details, applied, notes = [], [], []
+        held = 0
+        for key, nodes in regions:
+            anchor = nodes[0].name
+            if sites is not None and anchor not in sites:
+                continue
+            module = _extract_region(gm, key, nodes)
+            applied.append(anchor)
+            held += module.cached_bytes()
+            gemms = [n for n in nodes if n.target in GEMMS]
+            paths = sorted({describe_node(n) for n in gemms})
+            shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} in all)" if len(paths) > 4
+                                             else "")
+            details.append(f"key {{{', '.join(k.name for k in key)}}}: {len(nodes)} nodes, "
+                           f"{len(gemms)} GEMMs ({shown}); caches "
+                           f"{module.cached_bytes() / 2**20:.2f} MiB")
+        if applied:
+            stable_topo_sort(gm.graph)
+            eliminate_dead(gm)
+            notes.append(f"memory: {held / 2**20:.2f} MiB held by {len(applied)} caches "
+                         "(one entry each)")
+        elif reason:
+            notes.append(f"nothing to hoist: {reason}")
+        return PassResult(self.name, len(applied), {}, before, count_nodes(gm),
+                          time.perf_counter() - t0, sites=tuple(applied), details=tuple(details),
+                          notes=tuple(notes))
+
+
+def conditioning_inputs(graph: fx.Graph, declared: tuple[str, ...] = ()) -> list[fx.Node]:
+    """Floating-point inputs far smaller than the largest one, plus those declared by name."""
+    tensors = [n for n in graph.nodes
+               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    floats = [n.meta["val"].numel() for n in tensors if n.meta["val"].is_floating_point()]
+    largest = max(floats, default=0)
+    return [n for n in tensors if n.name in declared or (
+        n.meta["val"].is_floating_point()
+        and n.meta["val"].numel() * CONDITIONING_RATIO <= largest)]
+
+
+def plan_regions(
+    graph: fx.Graph, declared: tuple[str, ...] = ()
+) -> tuple[list[tuple[tuple[fx.Node, ...], list[fx.Node]]], str]:
+    """The regions to cache, as (key placeholders, nodes in graph order), or a reason for none."""
+    tensor_inputs = [n for n in graph.nodes if n.op == "placeholder"
+                     and isinstance(n.meta.get("val"), torch.Tensor)]
+    names = {n.name for n in tensor_inputs}
+    unknown = [d for d in declared if d not in names]
+    if unknown:
+        raise ValueError(f"hoist: declared inputs {unknown} are not tensor inputs of the graph "
+                         f"({sorted(names)})")
+    keys_allowed = frozenset(conditioning_inputs(graph, declared))
+    deps: dict[fx.Node, frozenset[fx.Node]] = {}
+    for node in graph.nodes:
+        if node in tensor_inputs:
+            deps[node] = frozenset((node,))
+        else:
+            acc: frozenset[fx.Node] = frozenset()
+            for inp in node.all_input_nodes:
+                acc |= deps[inp]
+            deps[node] = acc
+    output = next(n for n in graph.nodes if n.op == "output")
+    full = deps[output]
+    if len(full) < 2:
+        return [], "the output depends on fewer than two inputs, so no work depends on a part"
+
+    if not keys_allowed:
+        return [], "no conditioning input (a small floating-point input such as a timestep)"
+
+    def hoistable(n: fx.Node) -> bool:
+        return (n.op == "call_function" and bool(deps[n]) and deps[n] < full
+                and deps[n] <= keys_allowed and not is_effectful(n) and output not in n.users)
+
+    # Each hoistable node joins the region of its users when they all share one key set that
+    # contains its own (so a cheap prefix of a GEMM's input is cached with it); else its own.
+    key_of: dict[fx.Node, frozenset[fx.Node]] = {}
+    for node in reversed(list(graph.nodes)):
+        if not hoistable(node):
+            continue
+        user_keys = {key_of.get(u) for u in node.users}
+        if len(user_keys) == 1 and None not in user_keys:
+            (key,) = user_keys
+            if deps[node] <= key:
+                key_of[node] = key
+                continue
+        key_of[node] = deps[node]
+    groups: dict[frozenset[fx.Node], list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node in key_of:
+            groups[key_of[node]].append(node)
+    regions = []
+    for key, group in groups.items():
+        nodes = _without_cycles(graph, group)
+        if any(n.target in GEMMS for n in nodes):
+            order = [n for n in tensor_inputs if n in key]
+            regions.append((tuple(order), nodes))
+    if not regions:
+        names = ", ".join(sorted(k.name for k in keys_allowed))
+        return [], f"no GEMM depends only on the conditioning inputs ({names})"
+    return regions, ""
+
+
+def _without_cycles(graph: fx.Graph, nodes: list[fx.Node]) -> list[fx.Node]:
+    """Drop region nodes that read a value computed outside the region from inside it: one
+    call cannot both produce and consume it."""
+    region, tainted = set(nodes), set()
+    for node in graph.nodes:
+        reads_outside_result = any(i in tainted for i in node.all_input_nodes)
+        if node in region:
+            if reads_outside_result:
+                region.discard(node)
+                tainted.add(node)
+        elif reads_outside_result or any(i in region for i in node.all_input_nodes):
+            tainted.add(node)
+    return [n for n in nodes if n in region]
+
+
+def _extract_region(gm: fx.GraphModule, key: tuple[fx.Node, ...],
+                    nodes: list[fx.Node]) -> CachedRegion:
+    """Move ``nodes`` into a CachedRegion submodule called from ``gm``'s graph."""
+    inside = set(nodes)
+    inputs: list[fx.Node] = list(key)
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            if inp not in inside and inp not in inputs and inp.op != "get_attr":
+                inputs.append(inp)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for inp in inputs:
+        env[inp] = sub.placeholder(inp.name)
+        env[inp].meta = dict(inp.meta)
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            if inp.op == "get_attr" and inp not in env:
+                env[inp] = sub.get_attr(inp.target)
+                env[inp].meta = dict(inp.meta)
+        env[node] = sub.node_copy(node, lambda a: env[a])
+    out_node = sub.output(tuple(env[o] for o in outputs))
+    out_node.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    region = fx.GraphModule(gm, sub)
+    module = CachedRegion(region, tuple(range(len(key))), tuple(k.name for k in key))
+
+    name, i = "_kopt_hoist", 0
+    while hasattr(gm, f"{name}_{i}"):
+        i += 1
+    gm.add_submodule(f"{name}_{i}", module)
+    with gm.graph.inserting_before(outputs[0]):
+        call = gm.graph.call_module(f"{name}_{i}", tuple(inputs))
+    call.meta["val"] = out_node.meta["val"]
+    for j, o in enumerate(outputs):
+        with gm.graph.inserting_after(call):
+            piece = gm.graph.call_function(operator.getitem, (call, j))
+        piece.meta = dict(o.meta)
+        o.replace_all_uses_with(piece, delete_user_cb=lambda u: u not in inside)
+    for node in reversed(nodes):
+        if not node.users:
+            gm.graph.erase_node(node)
+    return module
+
+
+def cached_regions(gm: fx.GraphModule) -> list[CachedRegion]:
+    return [m for m in gm.modules() if isinstance(m, CachedRegion)]

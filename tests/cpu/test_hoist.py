@@ -1,0 +1,176 @@
+"""hoist: the timestep work of a CFG pair is done once; a new timestep, an in-place change of
+the timestep or of a weight recomputes it; results are bitwise those of the unhoisted model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kopt
+from kopt.models import build
+
+aten = torch.ops.aten
+GEMM_OPS = (aten.addmm.default, aten.mm.default, aten.bmm.default)
+
+
+class GemmRows(TorchDispatchMode):
+    """Records the row count M of every GEMM actually executed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in GEMM_OPS:
+            mat = args[1] if func is aten.addmm.default else args[0]
+            self.rows.append(mat.shape[-2])
+        return func(*args, **(kwargs or {}))
+
+
+def _run(model, kwargs: dict) -> tuple[torch.Tensor, list[int]]:  # noqa: ANN001
+    with GemmRows() as rec, torch.no_grad():
+        out = model(**kwargs)[0]
+    return out, rec.rows
+
+
+@pytest.fixture(scope="module")
+def qwen():  # noqa: ANN201
+    w = build("qwen-image-tiny")
+    hoisted = kopt.optimize(w.model, w.args, w.kwargs)
+    plain = kopt.optimize(w.model, w.args, w.kwargs, kopt.PassConfig(hoist=False))
+    return w, hoisted, plain
+
+
+def _uncond(w, tokens: int | None = None) -> dict:  # noqa: ANN001
+    kw = dict(w.kwargs)
+    cond = kw["encoder_hidden_states"]
+    shape = (cond.shape[0], tokens or cond.shape[1], cond.shape[2])
+    kw["encoder_hidden_states"] = torch.randn(shape)  # another prompt, same latents/timestep
+    return kw
+
+
+def test_second_call_of_a_cfg_pair_runs_no_timestep_gemm(qwen) -> None:  # noqa: ANN001
+    w, hoisted, plain = qwen
+    report = hoisted.report.result("hoist")
+    assert report.matched == 1 and report.details[0].startswith("key {timestep}")
+    assert "transformer_blocks.1.img_mod.1" in report.details[0]
+
+    cond, uncond = dict(w.kwargs), _uncond(w)
+    out1, rows1 = _run(hoisted, cond)
+    out2, rows2 = _run(hoisted, uncond)
+    # batch 1: the timestep MLP and the merged modulation GEMM are the only GEMMs with 1 row
+    assert rows1.count(1) == 3
+    assert rows2.count(1) == 0
+    assert len(rows2) == len(rows1) - 3
+    assert torch.equal(out1, _run(plain, cond)[0])
+    assert torch.equal(out2, _run(plain, uncond)[0])
+
+    new_t = dict(cond, timestep=cond["timestep"] * 0.5)  # next step: another timestep
+    out3, rows3 = _run(hoisted, new_t)
+    assert rows3.count(1) == 3
+    assert torch.equal(out3, _run(plain, new_t)[0])
+
+
+def test_cfg_pair_with_another_text_length_shares_the_timestep_cache(qwen) -> None:  # noqa: ANN001
+    w, hoisted, plain = qwen
+    uncond = _uncond(w, tokens=7)  # a negative prompt of another length: a new signature
+    hoisted(**uncond)  # the first step specialises for it (captures and verifies)
+    step_t = w.kwargs["timestep"] * 0.25  # the next step's timestep, one tensor for the pair
+    cond = dict(w.kwargs, timestep=step_t)
+    uncond["timestep"] = step_t
+    _, rows1 = _run(hoisted, cond)
+    out2, rows2 = _run(hoisted, uncond)
+    assert rows1.count(1) == 3
+    assert rows2.count(1) == 0
+    assert torch.equal(out2, _run(plain, uncond)[0])
+    assert len(hoisted.reports) == 2
+
+
+def test_in_place_changes_of_timestep_or_weights_recompute(qwen) -> None:  # noqa: ANN001
+    w, hoisted, plain = qwen
+    kw = dict(w.kwargs, timestep=w.kwargs["timestep"].clone())
+    _run(hoisted, kw)
+    kw["timestep"].add_(0.25)  # same object, new value: the version counter moves
+    out, rows = _run(hoisted, kw)
+    assert rows.count(1) == 3
+    assert torch.equal(out, _run(plain, kw)[0])
+    lin = w.model.time_text_embed.timestep_embedder.linear_2
+    saved = lin.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            lin.weight.mul_(1.5)
+        out, rows = _run(hoisted, kw)
+        assert rows.count(1) == 3
+        torch.testing.assert_close(out, w.model(**kw)[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, _run(plain, kw)[0])
+    finally:
+        with torch.no_grad():
+            lin.weight.copy_(saved)
+
+
+class LatentReachesTimestep(nn.Module):
+    """A "timestep" the latent reaches before the modulation GEMM: nothing to hoist."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mod, self.proj = nn.Linear(8, 32), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        emb = torch.sin(t[:, None] * torch.arange(8.0)) + x.mean((1, 2))[:, None]
+        scale, shift = self.mod(nn.functional.silu(emb)).chunk(2, -1)
+        return self.proj(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+def test_a_timestep_the_latent_reaches_is_not_hoisted() -> None:
+    model = LatentReachesTimestep().eval()
+    opt = kopt.optimize(model, (torch.randn(2, 64, 16), torch.rand(2)))
+    result = opt.report.result("hoist")
+    assert result.matched == 0
+    assert "no GEMM depends only on the conditioning inputs (t)" in result.notes[0]
+
+
+def test_llm_decoder_has_nothing_to_hoist() -> None:
+    for mode in ("prefill", "decode"):
+        w = build("llm-tiny", mode=mode)
+        opt = kopt.optimize(w.model, w.args, w.kwargs, kopt.PassConfig(merge_projections=False))
+        result = opt.report.result("hoist")
+        assert result.matched == 0 and result.notes[0].startswith("nothing to hoist")
+
+
+def test_flux2_hoists_timestep_and_guidance_together() -> None:
+    w = build("flux2-tiny")
+    opt = kopt.optimize(w.model, w.args, w.kwargs)
+    (detail,) = opt.report.result("hoist").details
+    assert detail.startswith("key {guidance, timestep}")
+    torch.testing.assert_close(w.run(opt), w.run(), rtol=1e-5, atol=1e-5)
+
+
+def test_declared_inputs_extend_the_keys_and_unknown_names_are_named() -> None:
+    w = build("qwen-image-tiny")
+    opt = kopt.optimize(w.model, w.args, w.kwargs, kopt.PassConfig(hoist=("hidden_states",)))
+    keys = [d.split(":")[0] for d in opt.report.result("hoist").details]
+    assert "key {hidden_states, timestep}" in keys and "key {timestep}" in keys
+    with pytest.raises(ValueError, match="not tensor inputs"):
+        kopt.optimize(w.model, w.args, w.kwargs, kopt.PassConfig(hoist=("latents",)))
+
+
+def test_specialisations_share_packed_weights_and_caches(qwen) -> None:  # noqa: ANN001
+    w, hoisted, _ = qwen
+    hoisted(**_uncond(w, tokens=5))
+    first, *others = hoisted.graph_modules
+    assert others
+
+    def packed(gm) -> dict[str, int]:  # noqa: ANN001
+        return {n: t.data_ptr() for n, t in gm.named_buffers() if "_kopt_" in n}
+
+    for gm in others:
+        shared = set(packed(first).values()) & set(packed(gm).values())
+        # the merged modulation and timestep-MLP weights exist once, not once per signature
+        assert len(shared) >= 2
+    regions = {id(m) for gm in hoisted.graph_modules for m in gm.children()
+               if type(m).__name__ == "CachedRegion"}
+    assert len(regions) == 1
+    stats = hoisted.cache_stats()
+    assert list(stats) == ["{timestep}"] and stats["{timestep}"][0] >= 1
