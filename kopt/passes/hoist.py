@@ -21,10 +21,10 @@ before block 0's joint attention on the image side is then cached too).
 The cache key is safe without reading tensor values (no device sync): the *identity* and version
 counter of each key input (diffusers and SGLang pass the same timestep tensor to both calls of a
 step; an in-place change bumps the version) and the version counters of the parameters the region
-reads (a weight changed in place invalidates it). Each region holds one entry: its outputs for
-the last key, so memory is bounded by one set of outputs per region, reported at build time.
-Regions without a GEMM are left per call: caching a few element-wise ops saves less than the key
-check costs, and shape/position tables are the shape-hoisting pass's job.
+reads (a weight changed in place invalidates it). Each region holds :data:`CACHE_ENTRIES`
+entries (least recently used out), so memory is bounded and reported at build time. A region is
+cached if it has a GEMM or a table's worth of ops (:data:`MIN_OPS_WITHOUT_GEMM`); a few
+element-wise ops save less than the key check costs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from kopt.graph import attr, describe_node, stable_topo_sort, structural_key
-from kopt.graph.deps import is_effectful
+from kopt.graph.deps import dependency_sets, is_effectful
 from kopt.graph.splice import eliminate_dead
 from kopt.passes.base import Pass, PassResult, count_nodes
 from kopt.patterns.core import exact
@@ -48,11 +48,31 @@ aten = torch.ops.aten
 # A floating-point input this many times smaller than the largest is a conditioning input.
 CONDITIONING_RATIO = 64
 
+# Entries per region: the two calls of a CFG pair may alternate two keys (cond/uncond masks).
+CACHE_ENTRIES = 2
+
+# A region without a GEMM is cached only if it has at least this many compute ops (a RoPE table
+# built from position ids); the cost model (kopt.cost) will rank regions by predicted time.
+MIN_OPS_WITHOUT_GEMM = 8
+
+# Uses that make an integer input a token id or a cache index rather than a position/mask.
+_INDEXING = {
+    "embedding", "index", "index_select", "index_copy", "index_put", "scatter", "gather",
+    "slice_scatter", "select_scatter", "index_add", "take",
+}
+
 # Ops that make a region worth caching.
 GEMMS = {
     aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
     aten.matmul.default, aten.baddbmm.default, aten.convolution.default,
     aten.scaled_dot_product_attention.default, aten._scaled_mm.default,
+}
+
+
+_VIEW_OPS = {
+    aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.expand.default, aten.permute.default, aten.slice.Tensor, aten.select.int,
+    aten.t.default, aten.transpose.int, aten._unsafe_view.default, operator.getitem,
 }
 
 
@@ -66,9 +86,7 @@ class CachedRegion(torch.nn.Module):
         self.key_positions = key_positions
         self.key_names = key_names
         self.bind_params()
-        self._key_tensors: tuple[Any, ...] | None = None
-        self._versions: tuple[int, ...] = ()
-        self._outputs: Any = None
+        self._entries: list[tuple[tuple[Any, ...], tuple[int, ...], Any]] = []
         self.hits = 0
         self.misses = 0
 
@@ -85,15 +103,16 @@ class CachedRegion(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         keys = tuple(args[i] for i in self.key_positions)
         versions = self._versions_now(keys)
-        if (self._key_tensors is not None and len(keys) == len(self._key_tensors)
-                and all(a is b for a, b in zip(keys, self._key_tensors, strict=True))
-                and versions == self._versions):
-            self.hits += 1
-            return self._outputs
+        for i, (held, held_versions, outputs) in enumerate(self._entries):
+            if versions == held_versions and all(a is b for a, b in zip(keys, held, strict=True)):
+                self.hits += 1
+                self._entries.append(self._entries.pop(i))  # most recently used last
+                return outputs
         self.misses += 1
         out = self.region(*args)
-        # Keep the key tensors alive: their ids must not be reused by other tensors.
-        self._key_tensors, self._versions, self._outputs = keys, versions, out
+        # The entry keeps the key tensors alive: their ids cannot be reused by other tensors.
+        self._entries.append((keys, versions, out))
+        del self._entries[:-CACHE_ENTRIES]
         return out
 
     @property
@@ -110,10 +129,11 @@ class CachedRegion(torch.nn.Module):
     def cached_bytes(self) -> int:
         vals = [n.meta.get("val") for n in self.region.graph.nodes if n.op == "output"]
         leaves = torch.utils._pytree.tree_leaves(vals)
-        return sum(v.numel() * v.element_size() for v in leaves if isinstance(v, torch.Tensor))
+        one = sum(v.numel() * v.element_size() for v in leaves if isinstance(v, torch.Tensor))
+        return one * CACHE_ENTRIES
 
     def clear(self) -> None:
-        self._key_tensors, self._outputs = None, None
+        self._entries = []
 
 
 class HoistInvariants(Pass):
@@ -143,14 +163,14 @@ class HoistInvariants(Pass):
             paths = sorted({describe_node(n) for n in gemms})
             shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} in all)" if len(paths) > 4
                                              else "")
+            what = f"{len(gemms)} GEMMs ({shown})" if gemms else "no GEMM (a table)"
             details.append(f"key {{{', '.join(k.name for k in key)}}}: {len(nodes)} nodes, "
-                           f"{len(gemms)} GEMMs ({shown}); caches "
-                           f"{module.cached_bytes() / 2**20:.2f} MiB")
+                           f"{what}; caches {module.cached_bytes() / 2**20:.2f} MiB")
         if applied:
             stable_topo_sort(gm.graph)
             eliminate_dead(gm)
             notes.append(f"memory: {held / 2**20:.2f} MiB held by {len(applied)} caches "
-                         "(one entry each)")
+                         f"({CACHE_ENTRIES} entries each)")
         elif reason:
             notes.append(f"nothing to hoist: {reason}")
         return PassResult(self.name, len(applied), {}, before, count_nodes(gm),
@@ -159,14 +179,46 @@ class HoistInvariants(Pass):
 
 
 def conditioning_inputs(graph: fx.Graph, declared: tuple[str, ...] = ()) -> list[fx.Node]:
-    """Floating-point inputs far smaller than the largest one, plus those declared by name."""
+    """The inputs hoisted work may be keyed on.
+
+    * conditioning: floating-point inputs far smaller than the largest one (timestep, guidance);
+    * positions and masks: integer or bool inputs used in arithmetic only (FLUX.2's image and
+      text ids, from which every call rebuilds the RoPE tables), not token ids or cache indices
+      (an embedding lookup or an index/scatter reads them);
+    * whatever is declared by name.
+    """
     tensors = [n for n in graph.nodes
                if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
     floats = [n.meta["val"].numel() for n in tensors if n.meta["val"].is_floating_point()]
     largest = max(floats, default=0)
-    return [n for n in tensors if n.name in declared or (
-        n.meta["val"].is_floating_point()
-        and n.meta["val"].numel() * CONDITIONING_RATIO <= largest)]
+    deps = dependency_sets(graph)
+    out = []
+    for n in tensors:
+        v = n.meta["val"]
+        if n.name in declared:
+            out.append(n)
+        elif v.is_floating_point():
+            if v.numel() * CONDITIONING_RATIO <= largest:
+                out.append(n)
+        elif not v.is_complex() and not _indexes(n, deps):
+            out.append(n)
+    return out
+
+
+def _indexes(node: fx.Node, deps: dict[fx.Node, frozenset[str]]) -> bool:
+    """Whether values computed from ``node`` alone (and parameters) are used to look up or
+    write at positions: token ids feed an embedding, a cache position an index_copy."""
+    region = {node}
+    for n in node.graph.nodes:
+        if n.op == "call_function" and deps[n] == {node.name} and any(
+                i in region for i in n.all_input_nodes):
+            region.add(n)
+    for n in region:
+        for user in n.users:
+            name = getattr(user.target, "_opname", getattr(user.target, "__name__", ""))
+            if user.op == "call_function" and name.rstrip("_") in _INDEXING:
+                return True
+    return False
 
 
 def plan_regions(
@@ -196,7 +248,8 @@ def plan_regions(
         return [], "the output depends on fewer than two inputs, so no work depends on a part"
 
     if not keys_allowed:
-        return [], "no conditioning input (a small floating-point input such as a timestep)"
+        return [], ("no conditioning input (a small floating-point input such as a timestep, "
+                    "or position ids)")
 
     def hoistable(n: fx.Node) -> bool:
         return (n.op == "call_function" and bool(deps[n]) and deps[n] < full
@@ -222,12 +275,13 @@ def plan_regions(
     regions = []
     for key, group in groups.items():
         nodes = _without_cycles(graph, group)
-        if any(n.target in GEMMS for n in nodes):
+        compute = [n for n in nodes if n.target not in _VIEW_OPS]
+        if any(n.target in GEMMS for n in nodes) or len(compute) >= MIN_OPS_WITHOUT_GEMM:
             order = [n for n in tensor_inputs if n in key]
             regions.append((tuple(order), nodes))
     if not regions:
         names = ", ".join(sorted(k.name for k in keys_allowed))
-        return [], f"no GEMM depends only on the conditioning inputs ({names})"
+        return [], f"no GEMM or table depends only on the conditioning inputs ({names})"
     return regions, ""
 
 

@@ -128,7 +128,7 @@ def test_a_timestep_the_latent_reaches_is_not_hoisted() -> None:
     opt = kopt.optimize(model, (torch.randn(2, 64, 16), torch.rand(2)))
     result = opt.report.result("hoist")
     assert result.matched == 0
-    assert "no GEMM depends only on the conditioning inputs (t)" in result.notes[0]
+    assert "no GEMM or table depends only on the conditioning inputs (t)" in result.notes[0]
 
 
 def test_llm_decoder_has_nothing_to_hoist() -> None:
@@ -139,12 +139,39 @@ def test_llm_decoder_has_nothing_to_hoist() -> None:
         assert result.matched == 0 and result.notes[0].startswith("nothing to hoist")
 
 
-def test_flux2_hoists_timestep_and_guidance_together() -> None:
+class OpCount(TorchDispatchMode):
+    def __init__(self, op) -> None:  # noqa: ANN001
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def test_flux2_hoists_timestep_guidance_and_the_rope_tables_of_its_ids() -> None:
     w = build("flux2-tiny")
     opt = kopt.optimize(w.model, w.args, w.kwargs)
-    (detail,) = opt.report.result("hoist").details
-    assert detail.startswith("key {guidance, timestep}")
+    details = opt.report.result("hoist").details
+    assert [d.split(":")[0] for d in details] == ["key {guidance, timestep}",
+                                                  "key {img_ids, txt_ids}"]
     torch.testing.assert_close(w.run(opt), w.run(), rtol=1e-5, atol=1e-5)
+    # next step: new latents, same ids/timestep objects -> neither sin/cos table is rebuilt
+    kw = dict(w.kwargs, hidden_states=torch.randn_like(w.kwargs["hidden_states"]))
+    with OpCount(aten.cos.default) as cos, torch.no_grad():
+        out = opt(**kw)[0]
+    assert cos.count == 0
+    torch.testing.assert_close(out, w.model(**kw)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_two_alternating_keys_both_stay_cached(qwen) -> None:  # noqa: ANN001
+    w, hoisted, plain = qwen
+    t1, t2 = w.kwargs["timestep"] * 0.3, w.kwargs["timestep"] * 0.7
+    _run(hoisted, dict(w.kwargs, timestep=t1))
+    _run(hoisted, dict(w.kwargs, timestep=t2))
+    out, rows = _run(hoisted, dict(w.kwargs, timestep=t1))
+    assert rows.count(1) == 0
+    assert torch.equal(out, _run(plain, dict(w.kwargs, timestep=t1))[0])
 
 
 def test_declared_inputs_extend_the_keys_and_unknown_names_are_named() -> None:
