@@ -1,0 +1,71 @@
+"""One true-CFG denoise step (cond + uncond call, same latents and timestep tensors) of W1:
+eager vs kopt with and without the hoist pass.
+
+    python benchmarks/cfg_step.py --model qwen-image --out step.json
+
+Captures once and builds both variants from the same capture without verification (this is a
+timing run; `kopt optimize` verifies the same passes). Median of CUDA-event timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.forward import time_ms
+from kopt.api import optimize_captured
+from kopt.capture import capture_module, flatten_inputs
+from kopt.models import build
+from kopt.passes import PassConfig
+from kopt.passes.hoist import cached_regions
+from kopt.verify import VerifyOptions
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen-image")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out")
+    args = p.parse_args()
+    w = build(args.model, device="cuda", dtype=torch.bfloat16)
+    cond = dict(w.kwargs)
+    uncond = dict(cond, encoder_hidden_states=torch.randn_like(cond["encoder_hidden_states"]))
+    row: dict = {"model": args.model, "device": torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+    def eager_step() -> None:
+        with torch.no_grad():
+            w.model(*w.args, **cond)
+            w.model(*w.args, **uncond)
+
+    row["eager_step_ms"] = time_ms(eager_step, args.iters)
+    print(f"eager step {row['eager_step_ms']:.2f} ms", flush=True)
+    t0 = time.perf_counter()
+    cap = capture_module(w.model, w.args, cond)
+    print(f"captured in {time.perf_counter() - t0:.1f} s", flush=True)
+    flat_c, _ = flatten_inputs(w.args, cond)
+    flat_u, _ = flatten_inputs(w.args, uncond)
+    for name, config in [("kopt", PassConfig()), ("kopt-no-hoist", PassConfig(hoist=False))]:
+        spec = optimize_captured(cap, config, VerifyOptions(enabled=False), None, name, 0.0)
+
+        def step(gm=spec.gm) -> None:
+            with torch.no_grad():
+                gm(*flat_c)
+                gm(*flat_u)
+
+        row[f"{name}_step_ms"] = time_ms(step, args.iters)
+        row[f"{name}_cache_hits_misses"] = [(m.hits, m.misses) for m in cached_regions(spec.gm)]
+        print(f"{name} step {row[f'{name}_step_ms']:.2f} ms", flush=True)
+        del spec
+        torch.cuda.empty_cache()
+    print(json.dumps(row, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
