@@ -10,12 +10,11 @@ timing run; `kopt optimize` verifies the same passes). Median of CUDA-event timi
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
-from benchmarks.forward import time_ms
+from benchmarks.forward import report, time_ms
 from kopt.api import optimize_captured
 from kopt.capture import capture_module, flatten_inputs
 from kopt.models import build
@@ -61,10 +60,7 @@ def main() -> None:
         print(f"{name} step {row[f'{name}_step_ms']:.2f} ms", flush=True)
         del spec
         torch.cuda.empty_cache()
-    print(json.dumps(row, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+    report(row, args.out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def report(row: dict, out: str | None) -> None:
+    """Print a run's figures and, with ``out``, write them as JSON for RESULTS.md."""
+    print(json.dumps(row, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump(row, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen-image")
@@ -79,10 +87,7 @@ def main() -> None:
         del opt
         torch.cuda.empty_cache()
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    print(json.dumps(row, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+    report(row, args.out)
 
 
 if __name__ == "__main__":

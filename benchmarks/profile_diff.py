@@ -10,14 +10,13 @@ default variant and prints the GPU kernels whose total time changed most.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.forward import time_ms
+from benchmarks.forward import report, time_ms
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.models import build
@@ -84,8 +83,7 @@ def main() -> None:
         print(f"{k:<90} {base.get(k, 0):8.3f} {new.get(k, 0):8.3f}")
         row["diff"].append((k, base.get(k, 0), new.get(k, 0)))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+        report(row, args.out)
 
 
 if __name__ == "__main__":
