@@ -201,3 +201,23 @@ def test_specialisations_share_packed_weights_and_caches(qwen) -> None:  # noqa:
     assert len(regions) == 1
     stats = hoisted.cache_stats()
     assert list(stats) == ["{timestep}"] and stats["{timestep}"][0] >= 1
+
+
+FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+             aten.scalar_tensor.default, aten.lift_fresh_copy.default, aten.zeros.default,
+             aten.ones.default, aten.empty.memory_format}
+
+
+def test_per_call_graph_builds_no_table_from_python_data_and_new_resolutions_recompute() -> None:
+    w = build("qwen-image-tiny")
+    opt = kopt.optimize(w.model, w.args, w.kwargs)
+    # the RoPE tables come from img_shapes (Python data): built in the captured graph ...
+    assert any(n.target in FACTORIES for n in opt.captured_graph.graph.nodes)
+    # ... and at load time, not per call: no factory, no host/device copy in the per-call graph
+    for node in opt.graph_module.graph.nodes:
+        assert node.target not in FACTORIES, node.format_node()
+        assert not (node.target is aten._to_copy.default and "device" in node.kwargs)
+    other = build("qwen-image-tiny", height=64, width=80)  # another resolution, same weights
+    out = opt(*other.args, **other.kwargs)[0]
+    torch.testing.assert_close(out, other.run(w.model), rtol=1e-5, atol=1e-5)
+    assert len(opt.reports) == 2 and opt.reports[1].verified
