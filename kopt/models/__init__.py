@@ -8,6 +8,7 @@ and inputs are meta tensors, which is enough for parameter counts and fake-tenso
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -46,5 +47,24 @@ def build(
     """
     for known, builder, variant in _BUILDERS:
         if name == known:
+            if torch.device(device).type != "meta":
+                _check_fits(name, builder(variant, device="meta", dtype=dtype, seed=seed,
+                                          **shape).model, dtype, torch.device(device))
             return builder(variant, device=device, dtype=dtype, seed=seed, **shape)
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+
+
+def _check_fits(name: str, meta_model: torch.nn.Module, dtype: torch.dtype,
+                device: torch.device) -> None:
+    """Refuse, with the numbers, a model whose weights alone exceed the device's free memory
+    (a full-size DiT on a CPU machine), instead of letting the process be killed."""
+    need = sum(p.numel() * p.element_size() for p in meta_model.parameters())
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > free:
+        raise ValueError(
+            f"{name} needs {need / 2**30:.1f} GiB for its weights in {dtype} but {device} has "
+            f"{free / 2**30:.1f} GiB free; use a -tiny model, or --device cuda on a GPU machine"
+        )

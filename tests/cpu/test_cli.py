@@ -53,3 +53,15 @@ def test_disable_turns_a_pass_off(capsys) -> None:  # noqa: ANN001
     assert main(["optimize", "--model", "llm-tiny", "--disable", "merge_projections", "-q"]) == 0
     out = capsys.readouterr().out
     assert "merge_projections" not in out.split("kopt report")[1]
+
+
+def test_full_size_model_on_a_small_machine_is_refused_with_numbers(capsys, monkeypatch) -> None:  # noqa: ANN001, E501
+    # Qwen-Image's 20.4B parameters in fp32 (~76 GiB) on a machine with 24 GiB free: exit 2
+    # with the numbers, instead of being killed while allocating
+    import kopt.models
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 24 * 2**30 // 4096}
+    monkeypatch.setattr(kopt.models.os, "sysconf", lambda key: pages[key])
+    assert main(["optimize", "--model", "qwen-image", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "76.1 GiB for its weights" in err and "24.0 GiB free" in err and "-tiny" in err
