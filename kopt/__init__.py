@@ -7,11 +7,12 @@
 
 from kopt.api import OptimizedModule, Report, optimize
 from kopt.errors import CaptureError, KoptError
-from kopt.passes import PassConfig, PassResult
+from kopt.passes import FP8Config, PassConfig, PassResult
 from kopt.verify import VerifyOptions
 
 __all__ = [
     "CaptureError",
+    "FP8Config",
     "KoptError",
     "OptimizedModule",
     "PassConfig",

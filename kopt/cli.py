@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="workload shape, e.g. --shape height=512 --shape text_tokens=64")
     o.add_argument("--disable", action="append", default=[], metavar="PASS",
                    choices=PassConfig.pass_names(), help="turn a pass off (repeatable)")
+    o.add_argument("--fp8", action="store_true",
+                   help="turn eligible linears into FP8 GEMMs (rowwise scales; lossy, verified "
+                   "against a bound)")
+    o.add_argument("--fp8-min-features", type=int, default=1024, metavar="N",
+                   help="smallest in/out features a linear needs for --fp8 (default: 1024)")
     o.add_argument("--no-verify", action="store_true", help="skip verification (not advised)")
     o.add_argument("--seeds", type=int, default=3, help="verification seeds (default: 3)")
     o.add_argument("--explain", metavar="NODE", action="append", default=[],
@@ -101,7 +106,11 @@ def _optimize(args: argparse.Namespace) -> int:
     from kopt.verify import VerifyOptions
 
     name, model, margs, mkwargs = _load_workload(args)
+    from kopt.passes import FP8Config
+
     config = PassConfig().replace(**{p: False for p in args.disable})
+    if args.fp8:
+        config = config.replace(fp8=FP8Config(min_features=args.fp8_min_features))
     verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
     print(f"kopt {kopt.__version__}: optimizing {name}; torch {torch.__version__}, "
           f"{args.dtype} on {args.device}", flush=True)

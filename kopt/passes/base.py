@@ -80,12 +80,10 @@ class RewritePass(Pass):
     def __init__(self, name: str, rewrites: Sequence[Rewrite]) -> None:
         self.name = name
         self.rewrites = sorted(rewrites, key=lambda r: -r.benefit)
-        tiers = {r.numerics.tier for r in self.rewrites}
         # The pass is only as exact as its least exact rewrite.
-        self.numerics = next(
-            (r.numerics for r in self.rewrites if r.numerics.tier == "tolerance"),
-            self.rewrites[0].numerics,
-        ) if tiers else Numerics("exact", "no rewrites")
+        rank = {"exact": 0, "tolerance": 1, "bounded": 2}
+        self.numerics = max((r.numerics for r in self.rewrites), key=lambda n: rank[n.tier],
+                            default=Numerics("exact", "no rewrites"))
 
     def config_key(self) -> str:
         return "\n".join(f"{r.name}:{r.benefit}:{r.source_key()}" for r in self.rewrites)

@@ -7,6 +7,23 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class FP8Config:
+    """How the fp8 pass quantizes: which layout, and which linears are large enough to gain."""
+
+    layout: str = "rowwise"
+    """``rowwise``: weights per output channel, activations per token (``torch._scaled_mm``)."""
+
+    min_features: int = 1024
+    """Linears with fewer input or output features stay as they are (the naive FP8 recipe's
+    threshold: below it quantizing costs more than the faster GEMM saves)."""
+
+    def __post_init__(self) -> None:
+        if self.layout != "rowwise":
+            raise ValueError(f"fp8 layout {self.layout!r} is not available; 'rowwise' is (the "
+                             "128x128 / 1x128 block layout needs kopt's FP8 GEMM)")
+
+
+@dataclass(frozen=True)
 class PassConfig:
     """Which passes run. Every field is a pass of the pipeline in :mod:`kopt.passes.pipeline`."""
 
@@ -18,6 +35,9 @@ class PassConfig:
 
     merge_projections: bool = True
     """N >= 2 projections of one activation -> one GEMM over weights concatenated at load."""
+
+    fp8: FP8Config | None = None
+    """Linears -> FP8 GEMMs (lossy: off unless asked for, e.g. ``fp8=FP8Config()``)."""
 
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""

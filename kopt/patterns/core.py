@@ -35,15 +35,20 @@ class Numerics:
     ``tolerance``: against an fp64 run of the original graph, the rewritten graph's relative error
     (Frobenius norm) is at most ``factor`` times the original's, or ``factor`` times the dtype's
     floor (:data:`kopt.verify.RTOL_FLOOR`) when the original is more accurate than that.
+    ``bounded``: for rewrites that lower precision on purpose (FP8): the rewritten graph's
+    relative error against the fp64 run is at most ``bound``, whatever the original's.
     """
 
-    tier: Literal["exact", "tolerance"]
+    tier: Literal["exact", "tolerance", "bounded"]
     why: str
     factor: float = 2.0
+    bound: float = 0.0
 
     def __str__(self) -> str:
         if self.tier == "exact":
             return "exact"
+        if self.tier == "bounded":
+            return f"bounded (<= {self.bound:g} relative error vs fp64)"
         return f"tolerance (<= {self.factor:g}x original error vs fp64)"
 
 
@@ -53,6 +58,10 @@ def exact(why: str) -> Numerics:
 
 def tolerance(why: str, factor: float = 2.0) -> Numerics:
     return Numerics("tolerance", why, factor)
+
+
+def bounded(why: str, bound: float) -> Numerics:
+    return Numerics("bounded", why, bound=bound)
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""One module per kernel: the op's math in a docstring, its reference, its registration."""

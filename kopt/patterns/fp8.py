@@ -1,0 +1,113 @@
+"""FP8 linears: a GEMM in e4m3 with per-output-channel weight scales and per-token activation
+scales (``torch._scaled_mm`` with rowwise scaling).
+
+    # x@W.T + b  ->  mm_fp8(quant(x), quant(W).T) * sx * sw.T + b
+
+The weight's quantization depends only on the parameter, so the constant-folding pass evaluates
+it at load; the activation's is an explicit ``kopt::quant_fp8_rowwise`` node, for the fusion
+passes to pull into its producer. Eligibility (sizes, alignment, dtypes) is a guard with reasons.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers kopt::quant_fp8_rowwise
+from kopt.graph import constant_nodes, describe_node, infer_meta, tensor_meta
+from kopt.passes.config import FP8Config
+from kopt.patterns.core import Match, Rejection, StructuralRewrite, bounded
+from kopt.verify import LOCAL_REFERENCE
+
+aten = torch.ops.aten
+QUANT = torch.ops.kopt.quant_fp8_rowwise.default
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# torch._scaled_mm needs both GEMM dimensions to be multiples of 16.
+ALIGN = 16
+
+
+def find_fp8_linears(config: FP8Config):  # noqa: ANN201
+    def find(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
+        consts = constant_nodes(gm.graph)
+        for node in gm.graph.nodes:
+            if node.target is not aten.linear.default:
+                continue
+            x, w = node.args[0], node.args[1]
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            reason = _ineligible(x, w, bias, consts, config)
+            if reason:
+                yield Rejection(NAME, node.name, reason)
+                continue
+            yield Match(NAME, node, (node,), {"x": x, "weight": w, "bias": bias})
+    return find
+
+
+def _ineligible(x: fx.Node, w: fx.Node, bias: fx.Node | None, consts: set[fx.Node],
+                config: FP8Config) -> str | None:
+    if w not in consts or (bias is not None and bias not in consts):
+        return "weight is computed per call, not a load-time constant"
+    xv, wv = tensor_meta(x), tensor_meta(w)
+    if xv.dtype not in ACTIVATION_DTYPES:
+        return f"activation dtype {xv.dtype} is not bf16/fp16/fp32"
+    n, k = wv.shape
+    if min(n, k) < config.min_features:
+        return f"features {k} -> {n} below min_features {config.min_features}"
+    if k % ALIGN or n % ALIGN:
+        return f"features {k} -> {n} not multiples of {ALIGN} (torch._scaled_mm)"
+    if xv.numel() == 0:
+        return "empty activation"
+    return None
+
+
+def to_fp8(gm: fx.GraphModule, match: Match) -> None:
+    x, w, bias = match.bindings["x"], match.bindings["weight"], match.bindings["bias"]
+    node = match.anchor
+    g = gm.graph
+    xv = tensor_meta(x)
+    n, k = tensor_meta(w).shape
+    item = operator.getitem
+
+    def call(target, *args, **kwargs) -> fx.Node:  # noqa: ANN001
+        out = g.call_function(target, args, kwargs)
+        infer_meta(gm, out)
+        return out
+
+    with g.inserting_before(node):
+        wq = call(QUANT, w)  # load time: folded
+        w_t = call(aten.t.default, call(item, wq, 0))  # [K, N], column-major
+        ws_t = call(aten.t.default, call(item, wq, 1))  # [1, N]
+        x2 = call(aten.reshape.default, x, [-1, k])
+        xq = call(QUANT, x2)  # per call: the node fusion passes pull into x's producer
+        y = call(aten._scaled_mm.default, call(item, xq, 0), w_t, call(item, xq, 1), ws_t,
+                 out_dtype=xv.dtype)
+        y = call(aten.reshape.default, y, [*xv.shape[:-1], n])
+        if bias is not None:
+            y = call(aten.add.Tensor, y, bias)
+    y.meta["kopt_from"] = f"fp8({describe_node(node)})"
+    # verification checks this site against the fp64 linear it replaces (the bounded tier)
+    y.meta[LOCAL_REFERENCE] = (F.linear, (x.name, w.name, bias.name if bias is not None else None))
+    node.replace_all_uses_with(y)
+    g.erase_node(node)
+
+
+NAME = "fp8_linear"
+
+# e4m3 keeps 3 mantissa bits: each quantized operand is off by at most 2^-4 relative, so a
+# product by 2^-3; a GEMM's norm-wise relative error stays under that.
+FP8_BOUND = 2.0**-3
+
+
+def fp8_linear(config: FP8Config) -> StructuralRewrite:
+    return StructuralRewrite(
+        name=NAME,
+        matcher=find_fp8_linears(config),
+        applier=to_fp8,
+        numerics=bounded("e4m3 operands with per-row scales: each GEMM within 2^-3 relative "
+                         "error of its fp64 product", FP8_BOUND),
+        benefit=5,
+        description="x@W.T + b -> mm_fp8(quant(x), quant(W).T) * sx * sw.T + b",
+    )

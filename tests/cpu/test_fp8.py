@@ -1,0 +1,143 @@
+"""fp8: the rowwise quantizer's contract, the rewrite firing (exact counts, ops removed/added,
+weights quantized at load), its near misses with reasons, and its bounded numerics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import kopt
+from kopt.capture import capture_module
+from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, quant_fp8_rowwise
+from kopt.graph import constant_nodes, copy_graph_module
+from kopt.passes import FP8Config, RewritePass
+from kopt.patterns.fp8 import FP8_BOUND, fp8_linear
+from kopt.verify import VerifyOptions, compare
+from tests.fixtures import QKV
+
+aten = torch.ops.aten
+QUANT = torch.ops.kopt.quant_fp8_rowwise.default
+SMALL = FP8Config(min_features=16)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (7, 129), (3, 5, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizer_contract(shape: tuple, dtype: torch.dtype) -> None:
+    x = (torch.randn(shape) * torch.logspace(-3, 3, shape[-1])).to(dtype)
+    torch.library.opcheck(quant_fp8_rowwise, (x,))
+    q, scale = torch.ops.kopt.quant_fp8_rowwise(x)
+    assert q.dtype == E4M3 and q.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == (*shape[:-1], 1)
+    qf = q.float()
+    assert torch.equal(qf.abs().amax(-1), torch.full(shape[:-1], E4M3_MAX))  # amax -> 448
+    # round to nearest: within half an e4m3 step (2^-4 relative) where x/scale is normal
+    x32, back = x.float(), qf * scale
+    normal = (x32 / scale).abs() >= 2.0**-6
+    assert ((back - x32).abs() <= 2.0**-4 * x32.abs() + 1e-30)[normal].all()
+
+
+def test_quantizer_keeps_zero_rows_finite() -> None:
+    q, scale = torch.ops.kopt.quant_fp8_rowwise(torch.zeros(2, 32))
+    assert torch.isfinite(scale).all() and not q.float().any()
+
+
+def _fp8(model: nn.Module, x: torch.Tensor, config: FP8Config = SMALL):  # noqa: ANN202
+    opt = kopt.optimize(model, (x,), config=kopt.PassConfig(fp8=config))
+    return opt, opt.report.result("fp8")
+
+
+def _count(gm: fx.GraphModule, target) -> int:  # noqa: ANN001
+    return sum(n.target is target for n in gm.graph.nodes)
+
+
+def test_fires_after_the_merge_and_quantizes_weights_at_load() -> None:
+    model = QKV(64, v_extra=0).eval()  # aligned: merged q/k/v is 64 -> 160
+    x = torch.randn(2, 5, 64)
+    opt, result = _fp8(model, x)
+    assert result.matched == 2  # merged q/k/v, out projection
+    gm = opt.graph_module
+    assert _count(gm, aten.linear.default) == 0
+    assert _count(gm, aten._scaled_mm.default) == 2
+    consts = constant_nodes(gm.graph)
+    quants = [n for n in gm.graph.nodes if n.target is QUANT]
+    assert len(quants) == 2 and not any(n.args[0] in consts for n in quants)  # activations only
+    fp8_weights = [t for n, t in gm.named_buffers() if t.dtype == E4M3]
+    assert len(fp8_weights) == 2  # packed once: [Wq;Wk;Wv] and Wout
+    assert result.verdict is not None and result.verdict.passed
+
+
+def test_near_misses_say_why() -> None:
+    x = torch.randn(3, 64)
+    _, result = _fp8(QKV(64).eval(), x, FP8Config())  # default threshold: 1024 features
+    assert result.matched == 0
+    assert any("below min_features 1024" in r for r in result.rejected)
+    _, result = _fp8(QKV(40).eval(), torch.randn(3, 40))  # 40 -> 20, 40 -> 43: not aligned
+    assert result.matched == 0
+    assert any("not multiples of 16" in r for r in result.rejected)
+    _, result = _fp8(QKV(64).double().eval(), x.double())
+    assert any("torch.float64 is not bf16/fp16/fp32" in r for r in result.rejected)
+
+    class PerCall(nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, w)
+
+    opt = kopt.optimize(PerCall().eval(), (x, torch.randn(32, 64)),
+                        config=kopt.PassConfig(fp8=SMALL))
+    assert opt.report.result("fp8").rejected == {
+        "weight is computed per call, not a load-time constant": 1}
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_bounded_tier_on_awkward_shapes(rows: int) -> None:
+    model = QKV(1024).eval()
+    cap = capture_module(model, (torch.randn(rows, 1024),))
+    after = copy_graph_module(cap.gm)
+    rewrite = fp8_linear(SMALL)
+    result = RewritePass("fp8", [rewrite]).run(after)
+    assert result.matched == 2  # q and k; v (1024 -> 1027) and out (1027 -> 1024) are unaligned
+    assert sum(result.rejected.values()) == 2
+    verdict = compare(cap.gm, after, cap.example_inputs, rewrite.numerics, VerifyOptions())
+    assert verdict.passed, verdict
+    assert rewrite.numerics.bound == FP8_BOUND
+
+
+def test_weights_changed_in_place_are_requantized() -> None:
+    model = QKV(64, v_extra=0).eval()
+    x = torch.randn(4, 64)
+    opt, _ = _fp8(model, x)
+    with torch.no_grad():
+        model.v.weight.mul_(-2.0)
+    fresh, _ = _fp8(model, x)
+    assert torch.equal(opt(x), fresh(x))
+
+
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny", "llm-tiny"])
+def test_reference_models_verify_within_the_bound(tiny, name: str) -> None:  # noqa: ANN001
+    w = tiny[name]
+    opt = kopt.optimize(w.model, w.args, w.kwargs, kopt.PassConfig(fp8=SMALL))
+    result = opt.report.result("fp8")
+    assert result.matched >= 8 and result.verdict.passed
+    out, ref = w.run(opt), w.run()
+    assert ((out - ref).norm() / ref.norm()).item() < FP8_BOUND
+
+
+def test_bounded_tier_is_checked_per_site_and_catches_a_wrong_scale() -> None:
+    from kopt.verify import LOCAL_REFERENCE
+
+    model = QKV(64, v_extra=0).eval()
+    cap = capture_module(model, (torch.randn(6, 64),))
+    after = copy_graph_module(cap.gm)
+    rewrite = fp8_linear(SMALL)
+    RewritePass("fp8", [rewrite]).run(after)
+    verdict = compare(cap.gm, after, cap.example_inputs, rewrite.numerics, VerifyOptions())
+    assert verdict.passed and "model output" in verdict.detail
+    site = next(n for n in after.graph.nodes if LOCAL_REFERENCE in n.meta)
+    with after.graph.inserting_after(site):
+        wrong = after.graph.call_function(aten.mul.Tensor, (site, 1.25))  # a scale off by 25%
+    site.replace_all_uses_with(wrong, delete_user_cb=lambda u: u is not wrong)
+    wrong.meta[LOCAL_REFERENCE] = site.meta.pop(LOCAL_REFERENCE)
+    wrong.meta["val"] = site.meta["val"]
+    after.recompile()
+    verdict = compare(cap.gm, after, cap.example_inputs, rewrite.numerics, VerifyOptions())
+    assert not verdict.passed and f"site {wrong.name}" in verdict.detail
