@@ -5,8 +5,8 @@
 
 ``torch.export`` traces ``F.dropout(x, p, training=False)`` -- every dropout of a model in eval
 mode -- as ``aten.clone``: a full read and write of the activation that eager mode never does
-(dropout returns its input). On Qwen-Image at 1024x1024 that is ~8 ms of copies per forward
-after attention and feed-forward outputs (measured on an H200, benchmarks/RESULTS.md).
+(dropout returns its input). On Qwen-Image at 1024x1024 the copies after the attention and
+feed-forward outputs cost 3.6 ms per forward on an H200 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
