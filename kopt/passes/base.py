@@ -120,6 +120,10 @@ class RewritePass(Pass):
         stable_topo_sort(gm.graph)
         eliminate_dead(gm)
         counted = Counter(r.reason for r in rejections if not r.near_miss)
+        notes: tuple[str, ...] = ()
+        if not applied and not counted:
+            notes = ("nothing to rewrite: no site matches "
+                     + "; ".join(f"`{r.description or r.name}`" for r in self.rewrites),)
         return PassResult(
             name=self.name,
             matched=len(applied),
@@ -131,4 +135,5 @@ class RewritePass(Pass):
             details=tuple(details),
             site_nodes=tuple(site_nodes),
             rejections=tuple(rejections),
+            notes=notes,
         )

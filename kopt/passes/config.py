@@ -39,6 +39,9 @@ class PassConfig:
     fp8: FP8Config | None = None
     """Linears -> FP8 GEMMs (lossy: off unless asked for, e.g. ``fp8=FP8Config()``)."""
 
+    absorb_bias: bool = True
+    """A bias add after a GEMM (the FP8 linears') moves into the GEMM's epilogue."""
+
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""
 

@@ -23,6 +23,7 @@ from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
 from kopt.passes.hoist import HoistInvariants, cached_regions
 from kopt.passes.noop import RemoveNoOps
+from kopt.patterns.bias import ABSORB_BIAS
 from kopt.patterns.fp8 import fp8_linear
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.verify import VerifyOptions, compare
@@ -35,6 +36,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("cse", lambda c: EliminateCommonSubexpressions()),  # exposes shared inputs to the merge
     ("merge_projections", lambda c: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
     ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV
+    ("absorb_bias", lambda c: RewritePass("absorb_bias", [ABSORB_BIAS])),
     ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
     ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),
 )

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.operator_schemas import normalize_function
 from torch.utils import _pytree as pytree
 
-from kopt.graph import fake_mode_of, inline_graph, module_path, op_name
+from kopt.graph import describe_node, fake_mode_of, inline_graph, op_name
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ class Rewrite:
 
     def describe(self, match: Match) -> str:
         """One human-readable line for a site (module paths where export recorded them)."""
-        path = module_path(match.anchor)
-        return f"{match.site} ({path})" if path else match.site
+        where = describe_node(match.anchor)
+        return f"{match.site} ({where})" if where != match.site else match.site
 
     def source_key(self) -> str:
         """Text that changes when the rewrite's behaviour changes (for pass uuids)."""

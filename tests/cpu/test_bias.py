@@ -1,0 +1,53 @@
+"""absorb_bias: the bias add after an FP8 GEMM moves into its epilogue; nothing to absorb where
+there is no bias (FLUX.2), and a bias whose GEMM output has another user stays."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kopt
+
+aten = torch.ops.aten
+FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
+
+
+def _gemms(opt) -> list:  # noqa: ANN001
+    return [n for n in opt.graph_module.graph.nodes if n.target is aten._scaled_mm.default]
+
+
+def test_absorbs_every_fp8_bias_of_qwen_image(tiny) -> None:  # noqa: ANN001
+    w = tiny["qwen-image-tiny"]
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    fp8, absorbed = opt.report.result("fp8"), opt.report.result("absorb_bias")
+    # every Qwen-Image linear has a bias, merged ones a concatenated bias
+    assert absorbed.matched == fp8.matched >= 16
+    assert absorbed.verdict.passed and absorbed.verdict.tier == "tolerance"
+    gemms = _gemms(opt) + [n for m in opt.graph_module.modules()
+                           if isinstance(m, torch.fx.GraphModule) and m is not opt.graph_module
+                           for n in m.graph.nodes if n.target is aten._scaled_mm.default]
+    assert gemms and all(n.kwargs.get("bias") is not None for n in gemms)
+    assert any("to_out" in d for d in absorbed.details)  # the output projections
+
+
+def test_nothing_to_absorb_without_biases_and_says_so(tiny) -> None:  # noqa: ANN001
+    w = tiny["flux2-tiny"]
+    result = kopt.optimize(w.model, w.args, w.kwargs, FP8).report.result("absorb_bias")
+    assert result.matched == 0 and result.rejected == {}
+    assert result.notes[0].startswith("nothing to rewrite")
+
+
+def test_bias_stays_when_the_gemm_output_has_another_user() -> None:
+    class Tap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = nn.functional.linear(x, self.proj.weight)
+            return y + self.proj.bias, y * 2  # y without the bias is needed too
+
+    opt = kopt.optimize(Tap().eval(), (torch.randn(4, 32),), config=FP8)
+    result = opt.report.result("absorb_bias")
+    assert result.matched == 0
+    assert result.rejected == {"the GEMM's output has other users, which must not see the bias": 1}
