@@ -101,6 +101,10 @@ class CachedRegion(torch.nn.Module):
             p._version for p in self.params)
 
     def forward(self, *args: Any) -> Any:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # A CUDA graph replays whatever this call does, without re-running the key check:
+            # a hit captured now would replay stale outputs for every later key. Compute.
+            return self.region(*args)
         keys = tuple(args[i] for i in self.key_positions)
         versions = self._versions_now(keys)
         for i, (held, held_versions, outputs) in enumerate(self._entries):
