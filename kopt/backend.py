@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import fx
 
 from kopt.api import Report, _Specialization, optimize_captured
@@ -124,4 +125,13 @@ def _inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any]) ->
 
     # For an nn.Module, compile_fx returns aot_autograd's unboxed forward(*args) (its
     # _boxed_call attribute is copied from the inner function and does not describe it).
-    return compile_fx(gm, example_inputs)
+    # kopt optimizes inference: compiling without grad gives Inductor's inference graph even
+    # where the model's parameters require grad (FP8 GEMMs have no derivative at all).
+    with torch.no_grad():
+        compiled = compile_fx(gm, example_inputs)
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return compiled(*args)
+
+    return run

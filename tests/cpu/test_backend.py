@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import kopt
 from kopt import KoptError
 from kopt.capture import capture_module, flatten_inputs
 from kopt.models import main_output
@@ -111,3 +112,18 @@ def test_config_dict_turns_passes_off() -> None:
     f(torch.randn(3, 16))
     names = [r.name for r in reports[0].passes]
     assert "merge_projections" not in names and "cse" in names and "fold_constants" in names
+
+
+def test_fp8_config_compiles_with_inductor() -> None:
+    # parameters require grad here; FP8 GEMMs have no derivative: kopt compiles for inference
+    model = QKV(64, v_extra=0).eval()
+    x = torch.randn(4, 64)
+    reports: list = []
+    f = torch.compile(model, backend="kopt", options={
+        "inner": "inductor", "reports": reports,
+        "config": {"fp8": kopt.FP8Config(min_features=16)}})
+    got = f(x)
+    assert reports[0].result("fp8").matched == 2
+    assert reports[0].result("absorb_bias").matched == 2
+    want = model(x)
+    assert ((got - want).norm() / want.norm()).item() < 2.0**-3
