@@ -58,7 +58,10 @@ class BackendOptions:
             out.inner = options["inner"]
         config = options.get("config")
         if isinstance(config, dict):
-            out.config = PassConfig().replace(**config)
+            try:
+                out.config = PassConfig().replace(**config)
+            except ValueError as exc:
+                raise KoptError(f"kopt backend option 'config': {exc}") from exc
         elif config is not None:
             out.config = config
         verify = options.get("verify")

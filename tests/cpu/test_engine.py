@@ -95,7 +95,7 @@ def test_more_specific_pattern_outranks_the_one_it_contains() -> None:
     gm = _graph(lambda x: torch.neg(torch.neg(x)), (3,))
     # Registered in the "wrong" order on purpose: the pass sorts by benefit.
     result = RewritePass("p", [NEG_TO_MUL, DOUBLE_NEG]).run(gm)
-    assert result.sites and all(s for s in result.sites)
+    assert result.matched == 1 and result.details[0].startswith(result.sites[0])
     assert _targets(gm) == []  # neg(neg(x)) -> x, not x*-1*-1
     gm2 = _graph(lambda x: torch.neg(x), (3,))
     assert RewritePass("p", [NEG_TO_MUL, DOUBLE_NEG]).run(gm2).matched == 1
