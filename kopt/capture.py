@@ -28,6 +28,11 @@ from torch.utils import _pytree as pytree
 
 from kopt.errors import CaptureError
 
+# gm.meta key: how the graph was captured. Passes that touch the model's own tensors (packing
+# merged weights in place) only do so for "export": under "dynamo" the parameters are inputs
+# that dynamo has traced with their current storage and guards on.
+SOURCE_KEY = "kopt_capture_source"
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _KOPT_DIR = os.path.dirname(__file__)
 
@@ -94,6 +99,7 @@ def capture_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
     info = gm.graph._codegen.pytree_info
     flat, _ = flatten_inputs(args, kwargs)
     _make_flat(gm)
+    gm.meta[SOURCE_KEY] = "export"
     return Captured(gm, info.in_spec, info.out_spec, flat, "export")
 
 
@@ -145,7 +151,7 @@ def capture_dynamo(
         root.add_module(name, mod)
     lifted = fx.GraphModule(root, graph)
     captured = capture_module(lifted, tuple(runtime_examples))
-    captured.source = "dynamo"
+    captured.source = captured.gm.meta[SOURCE_KEY] = "dynamo"
     return captured, runtime
 
 

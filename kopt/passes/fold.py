@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from kopt.capture import SOURCE_KEY
 from kopt.graph import add_constant, attr, constant_nodes
 from kopt.graph.splice import eliminate_dead
 from kopt.passes.base import Pass, PassResult, count_nodes
@@ -70,7 +71,7 @@ class FoldConstants(Pass):
         storages = {attr(gm, t).untyped_storage().data_ptr() for t in source_bytes}
         rejected: dict[str, int] = {}
         targets, kept_values, folded = [], [], []
-        added = 0
+        added = aliased = 0
         for node, value in zip(frontier, values, strict=True):
             inputs = sum(source_bytes.get(a.target, 0) for a in _attr_inputs(node))
             if _nbytes(value) > MAX_GROWTH_BYTES and _nbytes(value) > inputs:
@@ -82,7 +83,11 @@ class FoldConstants(Pass):
             targets.append(const.target)
             kept_values.append(value)
             folded.append(node.name)
-            if value.untyped_storage().data_ptr() not in storages:
+            if value.untyped_storage().data_ptr() in storages:
+                continue
+            if gm.meta.get(SOURCE_KEY) == "export" and _alias_sources(gm, node, value):
+                aliased += _nbytes(value)
+            else:
                 added += _nbytes(value)
         eliminate_dead(gm)
 
@@ -93,8 +98,9 @@ class FoldConstants(Pass):
         programs: list[LoadProgram] = gm.meta.setdefault("kopt_load_programs", [])
         programs.append(program)
         notes = (
-            f"memory: +{_mib(added)} of packed constants; {_mib(unread)} of parameters no "
-            "longer read per call (still held by the model)",
+            f"memory: +{_mib(added)} of packed constants, {_mib(aliased)} packed in place (the "
+            f"model's parameters now view the packed buffers); {_mib(unread)} of parameters no "
+            "longer read per call",
         )
         return PassResult(
             name=self.name,
@@ -106,6 +112,34 @@ class FoldConstants(Pass):
             sites=tuple(folded),
             notes=notes,
         )
+
+
+def _alias_sources(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> bool:
+    """Make the parameters a folded row-concatenation was built from views of it.
+
+    The merge pass's ``cat([Wq; Wk; Wv])`` would otherwise hold every merged weight twice (W1:
+    19.5 GB). Re-pointing each source parameter's ``.data`` at its rows of the packed buffer
+    keeps the values, the parameter objects and the model working, and frees the old storage.
+    Parameters already viewing a buffer (packed by another specialisation) stay as they are.
+    """
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if node.target is not torch.ops.aten.cat.default or dim != 0 or not value.is_contiguous():
+        return False
+    sources = node.args[0]
+    if not all(isinstance(s, fx.Node) and s.op == "get_attr" for s in sources):
+        return False
+    tensors = [attr(gm, s.target) for s in sources]
+    if len({id(t) for t in tensors}) != len(tensors) or not all(
+            t._base is None and t.is_contiguous() and t.dtype == value.dtype
+            and t.device == value.device for t in tensors):
+        return False
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            rows = t.shape[0]
+            t.data = value[offset:offset + rows]
+            offset += rows
+    return True
 
 
 def _mib(n: int) -> str:

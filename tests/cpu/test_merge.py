@@ -192,3 +192,25 @@ def test_after_cse_the_modulation_linears_of_all_blocks_merge(tiny) -> None:  # 
     for block in (0, 1):
         assert f"transformer_blocks.{block}.img_mod.1" in mod[0]
         assert f"transformer_blocks.{block}.txt_mod.1" in mod[0]
+
+
+def test_merged_weights_are_packed_in_place_not_copied() -> None:
+    model = QKV().eval()
+    x = torch.randn(3, 37)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = model(x)
+    opt = kopt.optimize(model, (x,), verify=VerifyOptions(seeds=(0,)))
+    packed = [t for n, t in opt.graph_module.named_buffers() if n.startswith("_kopt_")]
+    storages = {t.untyped_storage().data_ptr() for t in packed}
+    for name in ("q", "k", "v"):  # weights and biases now live in the packed buffers
+        lin = getattr(model, name)
+        assert lin.weight.untyped_storage().data_ptr() in storages
+        assert lin.bias.untyped_storage().data_ptr() in storages
+    assert model.out.weight.untyped_storage().data_ptr() not in storages
+    for n, p in model.named_parameters():
+        assert torch.equal(p, saved[n]), n  # values unchanged
+    assert torch.equal(model(x), want)
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(new)  # copies into the views: the packed buffers follow
+    assert torch.equal(model.k.weight, new["k.weight"])
+    torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)  # merge tier: reordering
