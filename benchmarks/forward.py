@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
 import kopt
+from kopt.bench import median_ms
 from kopt.models import build
 from kopt.verify import VerifyOptions, relative_error
 
@@ -26,18 +26,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, iters, warmup, device="cuda")
 
 
 def report(row: dict, out: str | None) -> None:

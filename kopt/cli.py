@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="say why a node (graph node name or module path such as "
                    "transformer_blocks.0.attn.to_q) was or was not rewritten")
     o.add_argument("--dump", metavar="DIR", help="write the graph before and after each pass")
+    o.add_argument("--bench", type=int, default=0, metavar="N",
+                   help="also time the model and the optimized module: median of N calls")
     o.add_argument("--verbose", "-v", action="store_true", help="list every rewritten site")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     return p
@@ -124,6 +126,14 @@ def _optimize(args: argparse.Namespace) -> int:
     print(report.format(verbose=args.verbose))
     for node in args.explain:
         print(report.explain(node, opt.captured_graph))
+    if args.bench:
+        from kopt.bench import median_ms
+
+        with torch.no_grad():
+            base = median_ms(lambda: model(*margs, **mkwargs), args.bench, device=args.device)
+            fast = median_ms(lambda: opt(*margs, **mkwargs), args.bench, device=args.device)
+        print(f"time per call on {args.device}, median of {args.bench}: model {base:.3f} ms, "
+              f"kopt {fast:.3f} ms ({fast / base:.3f}x; eager execution, no CUDA graphs)")
     if args.dump:
         print(f"graphs written to {args.dump}/")
     return 0

@@ -65,3 +65,19 @@ def test_full_size_model_on_a_small_machine_is_refused_with_numbers(capsys, monk
     assert main(["optimize", "--model", "qwen-image", "-q"]) == 2
     err = capsys.readouterr().err
     assert "76.1 GiB for its weights" in err and "24.0 GiB free" in err and "-tiny" in err
+
+
+def test_bench_prints_model_and_kopt_times(capsys) -> None:  # noqa: ANN001
+    assert main(["optimize", "--model", "llm-tiny", "-q", "--bench", "3"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("time per call on cpu, median of 3: model ")
+    ratio = float(line.split("(")[1].split("x;")[0])
+    assert 0 < ratio < 10
+
+
+def test_median_ms_runs_warmup_and_timed_calls() -> None:
+    from kopt.bench import median_ms
+
+    calls = []
+    ms = median_ms(lambda: calls.append(torch.ones(100).sum()), iters=5, warmup=2)
+    assert len(calls) == 7 and ms > 0
