@@ -236,16 +236,9 @@ def plan_regions(
     if unknown:
         raise ValueError(f"hoist: declared inputs {unknown} are not tensor inputs of the graph "
                          f"({sorted(names)})")
-    keys_allowed = frozenset(conditioning_inputs(graph, declared))
-    deps: dict[fx.Node, frozenset[fx.Node]] = {}
-    for node in graph.nodes:
-        if node in tensor_inputs:
-            deps[node] = frozenset((node,))
-        else:
-            acc: frozenset[fx.Node] = frozenset()
-            for inp in node.all_input_nodes:
-                acc |= deps[inp]
-            deps[node] = acc
+    keys_allowed = frozenset(n.name for n in conditioning_inputs(graph, declared))
+    # Python-value inputs are specialised constants: only tensor inputs key a region.
+    deps = {n: s & names for n, s in dependency_sets(graph).items()}
     output = next(n for n in graph.nodes if n.op == "output")
     full = deps[output]
     if len(full) < 2:
@@ -261,7 +254,7 @@ def plan_regions(
 
     # Each hoistable node joins the region of its users when they all share one key set that
     # contains its own (so a cheap prefix of a GEMM's input is cached with it); else its own.
-    key_of: dict[fx.Node, frozenset[fx.Node]] = {}
+    key_of: dict[fx.Node, frozenset[str]] = {}
     for node in reversed(list(graph.nodes)):
         if not hoistable(node):
             continue
@@ -272,7 +265,7 @@ def plan_regions(
                 key_of[node] = key
                 continue
         key_of[node] = deps[node]
-    groups: dict[frozenset[fx.Node], list[fx.Node]] = defaultdict(list)
+    groups: dict[frozenset[str], list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node in key_of:
             groups[key_of[node]].append(node)
@@ -281,11 +274,11 @@ def plan_regions(
         nodes = _without_cycles(graph, group)
         compute = [n for n in nodes if n.target not in _VIEW_OPS]
         if any(n.target in GEMMS for n in nodes) or len(compute) >= MIN_OPS_WITHOUT_GEMM:
-            order = [n for n in tensor_inputs if n in key]
+            order = [n for n in tensor_inputs if n.name in key]
             regions.append((tuple(order), nodes))
     if not regions:
-        names = ", ".join(sorted(k.name for k in keys_allowed))
-        return [], f"no GEMM or table depends only on the conditioning inputs ({names})"
+        return [], ("no GEMM or table depends only on the conditioning inputs "
+                    f"({', '.join(sorted(keys_allowed))})")
     return regions, ""
 
 
