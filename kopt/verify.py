@@ -139,12 +139,17 @@ class _LocalCheck(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
+        # Keep only the values a reference reads: holding every activation of a full model
+        # until the end of the run would not fit a GPU.
+        self.needed = {a for n in gm.graph.nodes if LOCAL_REFERENCE in n.meta
+                       for a in n.meta[LOCAL_REFERENCE][1] if a is not None}
         self.by_name: dict[str, Any] = {}
         self.worst = (0.0, "")
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        self.by_name[n.name] = result
+        if n.name in self.needed:
+            self.by_name[n.name] = result
         ref = n.meta.get(LOCAL_REFERENCE)
         if ref is not None:
             fn, names = ref
