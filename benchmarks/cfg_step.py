@@ -21,6 +21,7 @@ timing run; `kopt optimize` verifies the same passes). Median of CUDA-event timi
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -96,7 +97,9 @@ def main() -> None:
         print(f"{name} step {row[f'{name}_step_ms']:.2f} ms", flush=True)
         if args.cuda_graph and i == 0:
             row.update(cuda_graph_check(spec.gm, flat_for(cond, t0_), t0_, steps[1], args.iters))
-        del spec
+        # the step closure holds the graph (and its FP8 constants) too
+        del spec, step
+        gc.collect()
         torch.cuda.empty_cache()
     report(row, args.out)
 
