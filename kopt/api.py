@@ -20,6 +20,7 @@ from kopt.capture import (
     flatten_inputs,
     input_signature,
 )
+from kopt.cudagraphs import CudaGraphRunner
 from kopt.graph import attr, module_path, structural_key
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
@@ -136,6 +137,7 @@ class _Specialization:
             (attr(p.graph_module, s), p) for p in self.programs for s in p.sources
         ]
         self.versions = [t._version for t, _ in self.sources]
+        self.runner: CudaGraphRunner | None = None
 
     def refresh_if_stale(self) -> None:
         """Re-run the load programs whose parameters were changed in place since packing."""
@@ -170,6 +172,7 @@ class OptimizedModule:
         self._specs[self._first_key] = first
         self._warned = False
         self._watched = _watch_identity(model, first.gm)
+        self.cuda_graphs = False
         self._regions: dict[tuple, CachedRegion] = {}
         self._constants: dict[str, torch.Tensor] = {}
         self._share(first)
@@ -232,7 +235,12 @@ class OptimizedModule:
                 self._watched = _watch_identity(self.original, spec_entry.gm)
         spec_entry.refresh_if_stale()
         with torch.no_grad():
-            out = spec_entry.gm(*flat)
+            if self.cuda_graphs and any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat):
+                if spec_entry.runner is None:
+                    spec_entry.runner = CudaGraphRunner(spec_entry.gm)
+                out = spec_entry.runner(*flat)
+            else:
+                out = spec_entry.gm(*flat)
         return spec_entry.captured.unflatten_outputs(out)
 
     def _share(self, spec: _Specialization) -> None:
@@ -322,6 +330,7 @@ def optimize(
     *,
     verify: VerifyOptions = VerifyOptions(),
     dump_dir: str | Path | None = None,
+    cuda_graphs: bool = False,
 ) -> OptimizedModule:
     """Optimize ``model`` for inputs like ``(args, kwargs)``.
 
@@ -335,4 +344,6 @@ def optimize(
                       stacklevel=2)
     dump = Path(dump_dir) if dump_dir else None
     first = _specialize(model, tuple(args), kwargs, config, verify, dump)
-    return OptimizedModule(model, first, config, verify, dump)
+    opt = OptimizedModule(model, first, config, verify, dump)
+    opt.cuda_graphs = cuda_graphs
+    return opt

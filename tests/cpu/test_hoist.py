@@ -221,3 +221,26 @@ def test_per_call_graph_builds_no_table_from_python_data_and_new_resolutions_rec
     out = opt(*other.args, **other.kwargs)[0]
     torch.testing.assert_close(out, other.run(w.model), rtol=1e-5, atol=1e-5)
     assert len(opt.reports) == 2 and opt.reports[1].verified
+
+
+def test_cuda_graph_split_runs_hoisted_regions_before_an_equal_body(qwen) -> None:  # noqa: ANN001
+    """The split a CUDA graph is captured from: regions in the prelude, none in the body, and
+    prelude + body computes what the whole graph does (a CPU check of kopt.cudagraphs)."""
+    from kopt.capture import flatten_inputs
+    from kopt.cudagraphs import split_hoisted
+    from kopt.passes.hoist import CachedRegion
+
+    w, hoisted, _ = qwen
+    gm = hoisted.graph_module
+    prelude, body = split_hoisted(gm)
+    assert prelude is not None
+    assert not any(isinstance(m, CachedRegion) for m in body.modules())
+    assert sum(isinstance(m, CachedRegion) for m in prelude.modules()) == 1
+    flat = flatten_inputs(w.args, w.kwargs)[0]
+    with torch.no_grad():
+        want = gm(*flat)
+        regions = prelude(*flat)
+        with GemmRows() as rec:
+            got = body(*flat, *regions)
+    assert rec.rows.count(1) == 0  # the timestep GEMMs ran in the prelude, not in the body
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

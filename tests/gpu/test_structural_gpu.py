@@ -46,3 +46,30 @@ def test_fp8_and_bias_absorption_verify_on_cuda(name: str) -> None:
     if name == "qwen-image-tiny":
         assert absorbed.matched == fp8.matched
     print(f"{name}: {fp8.verdict.detail}")
+
+
+def test_cuda_graph_mode_replays_cfg_pairs_with_changing_timesteps() -> None:
+    """optimize(cuda_graphs=True): the forward is replayed from a CUDA graph with the hoisted
+    timestep work outside it: equal to the plain optimized module at every call, for cond and
+    uncond calls and new timesteps, and a kept cond output survives the uncond replay."""
+    w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
+    plain = kopt.optimize(w.model, w.args, w.kwargs)
+    graphed = kopt.optimize(w.model, w.args, w.kwargs, cuda_graphs=True)
+    runner_checked = False
+    for step in range(4):
+        t = w.kwargs["timestep"] * (1.0 - 0.2 * step)
+        cond = dict(w.kwargs, timestep=t)
+        uncond = dict(cond, encoder_hidden_states=torch.randn_like(cond["encoder_hidden_states"]))
+        with torch.no_grad():
+            got_c = graphed(**cond)[0]
+            got_u = graphed(**uncond)[0]
+            want_c, want_u = plain(**cond)[0], plain(**uncond)[0]
+        assert torch.equal(got_c, want_c), f"step {step} cond"
+        assert torch.equal(got_u, want_u), f"step {step} uncond"
+        runner = graphed._specs[graphed._first_key].runner
+        if runner.graph is not None and not runner_checked:
+            assert runner.hoisted_outside
+            runner_checked = True
+    assert runner_checked
+    (hits, misses), = graphed.cache_stats().values()
+    assert hits >= 4 and misses >= 4

@@ -1,0 +1,318 @@
+"""End-to-end speed of a reference workload: eager, Inductor, naive FP8 + Inductor, and kopt.
+
+    python benchmarks/e2e.py --model qwen-image --out-dir results/e2e-w1
+    python benchmarks/e2e.py --model flux2 --variants eager-bf16,naive-fp8-inductor,kopt-fp8
+
+Variants (each with and without a CUDA graph of the whole forward, where it captures):
+
+- ``eager-bf16``: the model as built (``kopt.models``).
+- ``inductor-bf16``: regional compilation: every repeated block (a ``ModuleList`` of modules of
+  one class) wrapped in ``torch.compile`` (default mode), the rest eager.
+- ``naive-fp8-inductor``: ARCHITECTURE.md's baseline: every ``nn.Linear`` with in and out
+  features >= 1024 replaced by a per-output-channel FP8 weight (quantized once) and a per-token
+  activation quantization in plain torch ops, ``torch._scaled_mm`` with rowwise scales; then the
+  same regional compilation.
+- ``kopt-bf16`` / ``kopt-fp8``: ``kopt.optimize`` of the whole forward (FP8: ``FP8Config()``),
+  run as optimized.
+
+Per variant: median ms per forward and per denoise step (``calls_per_step`` calls: W1's cond and
+uncond call share the timestep tensor and the latents, differ in the text states), the output's
+relative error against eager-bf16 (cond call), the GPU kernel time by category from
+torch.profiler (with the launch gaps: forward time minus busy kernel time), and for kopt the
+verification verdict. Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` into ``--out-dir``.
+Medians of CUDA-event timings after warm-up, random weights and inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import kopt
+from kopt.bench import median_ms
+from kopt.models import Workload, build, main_output
+from kopt.verify import VerifyOptions, relative_error
+
+VARIANTS = ("eager-bf16", "inductor-bf16", "naive-fp8-inductor", "kopt-bf16", "kopt-fp8")
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+
+# Kernel name -> category, first match wins. Names as cuBLAS/cuDNN/Triton/ATen report them.
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("attention", r"flash|fmha|attention|sdpa|cudnn_generated_fort_native_sdpa|sm90_xmma_.*f16f16"
+                  r"_f16f32_bf16|_attn"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|scaled_mm|matmul|_mm_|wgmma|sm90_|splitK"),
+    ("quantization", r"quant|fp8|e4m3|float8"),
+    ("copies", r"copy|memcpy|memset|cat_|CatArray|index|gather|scatter"),
+    ("norm/elementwise", r"norm|elementwise|vectorized|reduce|triton_|softmax|silu|gelu|mul|add"),
+)
+
+
+class NaiveFP8Linear(nn.Module):
+    """What a user writes by hand: weight quantized per output channel once, activation per
+    token at every call, ``torch._scaled_mm`` with rowwise scales."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+        self.register_buffer("w_q", (w.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3))
+        self.register_buffer("w_scale", scale.t().contiguous())  # [1, N]
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        scale = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+        q = (x2.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        y = torch._scaled_mm(q, self.w_q.t(), scale, self.w_scale, bias=self.bias,
+                             out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | None]) -> Iterator[int]:
+    """Replace every submodule for which ``make(path, module)`` returns a module; restore on
+    exit. Yields the number replaced."""
+    done: list[tuple[nn.Module, str, nn.Module]] = []
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            new = make(f"{path}.{name}" if path else name, child)
+            if new is not None:
+                done.append((module, name, child))
+                setattr(module, name, new)
+    try:
+        yield len(done)
+    finally:
+        for module, name, child in reversed(done):
+            setattr(module, name, child)
+
+
+def naive_fp8(path: str, m: nn.Module) -> nn.Module | None:
+    if isinstance(m, nn.Linear) and min(m.in_features, m.out_features) >= 1024:
+        return NaiveFP8Linear(m)
+    return None
+
+
+def repeated_blocks(model: nn.Module) -> set[nn.Module]:
+    """Children of a ``ModuleList`` whose members all share one class: the unit of regional
+    compilation (one compile, reused by every block)."""
+    blocks: set[nn.Module] = set()
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
+            blocks.update(m)
+    return blocks
+
+
+def regional_compile(model: nn.Module):  # noqa: ANN201
+    blocks = repeated_blocks(model)
+    return swapped(model, lambda _, m: torch.compile(m) if m in blocks else None)
+
+
+def kernel_breakdown(fn: Callable[[], object], forward_ms: float) -> dict[str, float]:
+    """GPU kernel ms per forward by category, plus the launch gaps (forward - busy time)."""
+    fn()
+    torch.cuda.synchronize()
+    iters = 2
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        cat = next((c for c, rx in CATEGORIES if re.search(rx, e.name, re.I)), "other")
+        out[cat] += e.device_time / 1e3 / iters
+    busy = sum(out.values())
+    out["launch gaps"] = max(forward_ms - busy, 0.0)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+class CudaGraphForward:
+    """One forward captured in a CUDA graph; ``__call__`` copies new inputs in and replays."""
+
+    def __init__(self, fn: Callable[..., object], kwargs: dict) -> None:
+        self.static = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                       for k, v in kwargs.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                fn(**self.static)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.out = main_output(fn(**self.static))
+
+    def __call__(self, **kwargs: object) -> torch.Tensor:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor) and v is not self.static[k]:
+                self.static[k].copy_(v)
+        self.graph.replay()
+        return self.out
+
+
+def measure(name: str, fn: Callable[..., object], w: Workload, uncond: dict, ref: torch.Tensor,
+            iters: int, graphs: bool) -> dict:
+    row: dict = {}
+    cond = w.kwargs
+
+    def step(f: Callable[..., object]) -> None:
+        with torch.no_grad():
+            f(*w.args, **cond)
+            if w.calls_per_step > 1:
+                f(*w.args, **uncond)
+
+    with torch.no_grad():
+        out = main_output(fn(*w.args, **cond))
+    row["rel_err_vs_eager"] = relative_error(out, ref)
+    row["forward_ms"] = median_ms(lambda: step_one(fn, w), iters, device="cuda")
+    row["step_ms"] = median_ms(lambda: step(fn), iters, device="cuda")
+    row["breakdown"] = kernel_breakdown(lambda: step_one(fn, w), row["forward_ms"])
+    print(f"{name}: {row['forward_ms']:.2f} ms/forward, {row['step_ms']:.2f} ms/step, "
+          f"err {row['rel_err_vs_eager']:.2e}", flush=True)
+    if graphs:
+        try:
+            g = CudaGraphForward(lambda **kw: fn(*w.args, **kw), cond)
+        except Exception as e:  # the result to record is that it does not capture, and why
+            row["cuda_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{name} + CUDA graph: capture failed: {row['cuda_graph_error']}", flush=True)
+            torch.cuda.synchronize()
+            return row
+        row["graph_rel_err_vs_eager"] = relative_error(g(**cond), ref)
+        row["graph_forward_ms"] = median_ms(lambda: g(**cond), iters, device="cuda")
+
+        def graph_step() -> None:
+            g(**cond)
+            if w.calls_per_step > 1:
+                g(**uncond)
+
+        row["graph_step_ms"] = median_ms(graph_step, iters, device="cuda")
+        row["graph_breakdown"] = kernel_breakdown(lambda: g(**cond), row["graph_forward_ms"])
+        print(f"{name} + CUDA graph: {row['graph_forward_ms']:.2f} ms/forward, "
+              f"{row['graph_step_ms']:.2f} ms/step", flush=True)
+        del g
+    return row
+
+
+def step_one(fn: Callable[..., object], w: Workload) -> None:
+    with torch.no_grad():
+        fn(*w.args, **w.kwargs)
+
+
+def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -> dict:  # noqa: ANN001
+    t0 = time.perf_counter()
+    row: dict = {}
+    if name == "eager-bf16":
+        return measure(name, w.model, w, uncond, ref, args.iters, args.cuda_graphs)
+    if name in ("inductor-bf16", "naive-fp8-inductor"):
+        torch._dynamo.reset()
+        quant = swapped(w.model, naive_fp8) if name.startswith("naive") else \
+            contextlib.nullcontext(0)
+        with quant as n_fp8, regional_compile(w.model) as n_blocks:
+            with torch.no_grad():
+                w.model(*w.args, **w.kwargs)  # compile
+            row = {"fp8_linears": n_fp8, "compiled_blocks": n_blocks,
+                   "prepare_s": time.perf_counter() - t0}
+            row.update(measure(name, w.model, w, uncond, ref, args.iters, args.cuda_graphs))
+        torch._dynamo.reset()
+        return row
+    config = kopt.PassConfig(fp8=kopt.FP8Config() if name == "kopt-fp8" else None)
+    verify = VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(max(args.seeds, 1))))
+    opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify)
+    row = {"prepare_s": time.perf_counter() - t0, "verified": opt.report.verified,
+           "passes": {r.name: r.matched for r in opt.report.passes}}
+    print(opt.report, flush=True)
+    row.update(measure(name, opt, w, uncond, ref, args.iters, args.cuda_graphs))
+    return row
+
+
+def write_outputs(rows: dict[str, dict], meta: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "e2e.json").write_text(json.dumps({"meta": meta, "variants": rows}, indent=1))
+    base = rows.get("naive-fp8-inductor", {}).get("forward_ms")
+    lines = [f"{meta['description']} — {meta['device']}, torch {meta['torch']}, {meta['date']}",
+             "", "| variant | ms/forward | ms/step | + CUDA graph ms/forward | ms/step "
+             "| vs naive-fp8+Inductor | rel. error vs eager |", "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        best = min(r.get("graph_forward_ms", float("inf")), r["forward_ms"])
+        ratio = f"{best / base:.3f}x" if base else "—"
+        graph = (f"{r['graph_forward_ms']:.2f} | {r['graph_step_ms']:.2f}"
+                 if "graph_forward_ms" in r else f"fails: {r.get('cuda_graph_error', 'not run')}"
+                 " | —")
+        lines.append(f"| {name} | {r['forward_ms']:.2f} | {r['step_ms']:.2f} | {graph} | {ratio} "
+                     f"| {r['rel_err_vs_eager']:.2e} |")
+    lines += ["", "Kernel time per forward by category (ms; CUDA graph where it captured):", ""]
+    cats = sorted({c for r in rows.values() for c in r.get("graph_breakdown", r["breakdown"])})
+    lines += ["| variant | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+    for name, r in rows.items():
+        b = r.get("graph_breakdown", r["breakdown"])
+        lines.append(f"| {name} | " + " | ".join(f"{b.get(c, 0.0):.2f}" for c in cats) + " |")
+    (out_dir / "e2e.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(rows)
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [rows[n]["forward_ms"] for n in names], 0.4, label="no graph")
+    ax.bar([x + 0.2 for x in xs], [rows[n].get("graph_forward_ms", 0) for n in names], 0.4,
+           label="CUDA graph")
+    ax.set_xticks(list(xs), names, rotation=20)
+    ax.set_ylabel("ms / forward")
+    ax.set_title(meta["description"][:80], fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "e2e.png", dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen-image")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seeds", type=int, default=1, help="kopt verification seeds (0: off)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--out-dir", default="e2e-out")
+    args = p.parse_args()
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+    w = build(args.model, device="cuda", dtype=torch.bfloat16)
+    text = next(k for k in ("encoder_hidden_states",) if k in w.kwargs)
+    uncond = dict(w.kwargs, **{text: torch.randn_like(w.kwargs[text])})
+    meta = {"model": args.model, "description": w.description,
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "iters": args.iters}
+    print(w.description, flush=True)
+    ref = w.run()
+    rows: dict[str, dict] = {}
+    for name in names:
+        rows[name] = run_variant(name, w, uncond, ref, args)
+        gc.collect()
+        torch.cuda.empty_cache()
+        write_outputs(rows, meta, Path(args.out_dir))
+    meta["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    write_outputs(rows, meta, Path(args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

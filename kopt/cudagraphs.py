@@ -1,0 +1,138 @@
+"""Whole-forward CUDA graphs for an optimized graph, with the hoisted regions outside the graph.
+
+A CUDA graph replays a fixed sequence of kernels on fixed addresses. The optimized per-call graph
+has static shapes, reads its packed weights from fixed buffers and copies nothing from the host
+(shape-only work is folded at load), so all of it can be captured, except the hoisted regions: a
+graph replays whatever a region did when it was captured, which would serve one timestep's
+modulation for every later timestep. So the graph is split:
+
+    prelude(inputs)              -> region outputs   (eager: a cache hit launches nothing)
+    body(inputs, region outputs) -> outputs          (captured once, replayed)
+
+Each call copies the inputs into the captured input buffers (skipped for a tensor that already is
+one), copies region outputs only when the region returned different tensors than last time (a
+miss: a new timestep), replays, and returns clones of the outputs (so a caller that keeps the
+cond output while running the uncond call, as a CFG loop does, is not handed a buffer the next
+replay overwrites; ``clone_outputs=False`` skips that copy for callers that consume at once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import fx
+
+from kopt.passes.hoist import CachedRegion
+
+log = logging.getLogger("kopt")
+
+
+def split_hoisted(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModule]:
+    """``(prelude, body)``: the prelude runs the hoisted regions from the graph's inputs, the
+    body takes the inputs plus one extra input per region (its output tuple). ``(None, gm)``
+    when there is no region, or a region reads something other than graph inputs."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"
+             and isinstance(gm.get_submodule(n.target), CachedRegion)]
+    if not calls:
+        return None, gm
+    if any(a.op != "placeholder" for c in calls for a in c.all_input_nodes):
+        log.info("kopt: a hoisted region reads computed values; it is captured with the graph")
+        return None, gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    pre = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in placeholders:
+        env[p] = pre.node_copy(p)
+    pre.output(tuple(pre.node_copy(c, lambda a: env[a]) for c in calls))
+    prelude = fx.GraphModule(gm, pre)
+
+    body = fx.Graph()
+    env = {}
+    for p in placeholders:
+        env[p] = body.node_copy(p)
+    for c in calls:
+        env[c] = body.placeholder(f"{c.name}_outputs")
+        env[c].meta = dict(c.meta)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and n not in env:
+            env[n] = body.node_copy(n, lambda a: env[a])
+    body_gm = fx.GraphModule(gm, body)
+    return prelude, body_gm
+
+
+class CudaGraphRunner:
+    """Runs ``gm`` eagerly for ``warmup`` calls, then from a CUDA graph captured on the next."""
+
+    def __init__(self, gm: fx.GraphModule, warmup: int = 2, clone_outputs: bool = True) -> None:
+        self.prelude, self.body = split_hoisted(gm)
+        self.warmup = warmup
+        self.clone_outputs = clone_outputs
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._static: list[Any] = []
+        self._last_regions: tuple[Any, ...] = ()
+        self._out: Any = None
+
+    @property
+    def hoisted_outside(self) -> bool:
+        return self.prelude is not None
+
+    def __call__(self, *flat: Any) -> Any:
+        regions = tuple(self.prelude(*flat)) if self.prelude is not None else ()
+        args = (*flat, *regions)
+        self.calls += 1
+        if self.graph is None and self.calls <= self.warmup:
+            return self.body(*args)
+        if self.graph is None:
+            self._capture(args)
+        else:
+            self._copy_in(flat, regions)
+        self.graph.replay()
+        if not self.clone_outputs:
+            return self._out
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self._out)
+
+    def _capture(self, args: tuple[Any, ...]) -> None:
+        self._static = [a.clone() if isinstance(a, torch.Tensor) else
+                        _clone_tuple(a) if isinstance(a, tuple) else a for a in args]
+        self._last_regions = args[len(args) - self._n_regions():]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.body(*self._static)  # allocator and library handles warm on the side stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out = self.body(*self._static)
+        self.graph = graph
+        log.info("kopt: forward captured in a CUDA graph (%s)",
+                 "hoisted regions outside" if self.prelude is not None else "no hoisted regions")
+
+    def _n_regions(self) -> int:
+        if self.prelude is None:
+            return 0
+        return sum(1 for n in self.body.graph.nodes if n.op == "placeholder") - sum(
+            1 for n in self.prelude.graph.nodes if n.op == "placeholder")
+
+    def _copy_in(self, flat: tuple[Any, ...], regions: tuple[Any, ...]) -> None:
+        for i, a in enumerate(flat):
+            held = self._static[i]
+            if isinstance(a, torch.Tensor) and a is not held:
+                held.copy_(a)
+        n = len(flat)
+        for j, (new, last) in enumerate(zip(regions, self._last_regions, strict=True)):
+            if new is last:  # a hit returns the very tensors of the last call: nothing to copy
+                continue
+            for dst, src in zip(self._static[n + j], new, strict=True):
+                if isinstance(src, torch.Tensor):
+                    dst.copy_(src)
+        self._last_regions = regions
+
+
+def _clone_tuple(t: tuple) -> tuple:
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in t)
+

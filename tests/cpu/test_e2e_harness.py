@@ -1,0 +1,42 @@
+"""The end-to-end harness's baseline is what it claims: ARCHITECTURE.md's naive FP8 (rowwise FP8
+linears from 1024 features), applied and undone without touching the model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from benchmarks.e2e import NaiveFP8Linear, naive_fp8, repeated_blocks, swapped
+from kopt.codegen.kernels.quant_fp8 import quant_fp8_rowwise_reference
+
+
+def test_naive_fp8_linear_is_rowwise_fp8_of_the_linear() -> None:
+    lin = nn.Linear(64, 48).to(torch.bfloat16)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    got = NaiveFP8Linear(lin)(x)
+    qx, sx = quant_fp8_rowwise_reference(x.reshape(-1, 64))
+    qw, sw = quant_fp8_rowwise_reference(lin.weight)
+    want = (qx.double() * sx.double()) @ (qw.double() * sw.double()).t() + lin.bias.double()
+    assert got.shape == (3, 5, 48)
+    # one bf16 rounding of an fp32-accumulated product of the same fp8 values
+    torch.testing.assert_close(got.double(), want.reshape(3, 5, 48), rtol=2 ** -7, atol=1e-3)
+    full = x.double() @ lin.weight.double().t() + lin.bias.double()
+    assert (got.double() - full).abs().max() > 0  # it really quantized
+
+
+def test_swapped_replaces_only_large_linears_and_restores() -> None:
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 512),
+                          nn.ModuleList([nn.Linear(1024, 1024), nn.Linear(1024, 1024)]))
+    before = list(model.modules())
+    with swapped(model, naive_fp8) as n:
+        assert n == 3
+        assert isinstance(model[0], NaiveFP8Linear) and isinstance(model[2], nn.Linear)
+        assert all(isinstance(m, NaiveFP8Linear) for m in model[3])
+    assert list(model.modules()) == before
+
+
+def test_repeated_blocks_are_uniform_module_lists() -> None:
+    blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    mixed = nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])
+    model = nn.ModuleDict({"blocks": blocks, "mixed": mixed})
+    assert repeated_blocks(model) == set(blocks)
