@@ -165,7 +165,10 @@ class CudaGraphForward:
 
 
 def measure(name: str, fn: Callable[..., object], w: Workload, uncond: dict, ref: torch.Tensor,
-            iters: int, graphs: bool) -> dict:
+            iters: int, graphs: bool,
+            graphed: Callable[[], Callable[..., torch.Tensor]] | None = None) -> dict:
+    """Time ``fn``; with ``graphs`` also its CUDA-graph form: ``graphed()`` where the variant
+    has its own (kopt: hoisted regions outside the graph), else a capture of the whole call."""
     row: dict = {}
     cond = w.kwargs
 
@@ -185,7 +188,12 @@ def measure(name: str, fn: Callable[..., object], w: Workload, uncond: dict, ref
           f"err {row['rel_err_vs_eager']:.2e}", flush=True)
     if graphs:
         try:
-            g = CudaGraphForward(lambda **kw: fn(*w.args, **kw), cond)
+            if graphed is not None:
+                g = graphed()
+                for _ in range(3):  # warm-up, then capture
+                    g(**cond)
+            else:
+                g = CudaGraphForward(lambda **kw: fn(*w.args, **kw), cond)
         except Exception as e:  # the result to record is that it does not capture, and why
             row["cuda_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"{name} + CUDA graph: capture failed: {row['cuda_graph_error']}", flush=True)
@@ -235,7 +243,14 @@ def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -
     row = {"prepare_s": time.perf_counter() - t0, "verified": opt.report.verified,
            "passes": {r.name: r.matched for r in opt.report.passes}}
     print(opt.report, flush=True)
-    row.update(measure(name, opt, w, uncond, ref, args.iters, args.cuda_graphs))
+
+    def graphed() -> Callable[..., torch.Tensor]:
+        opt.cuda_graphs = True
+        return lambda **kw: main_output(opt(*w.args, **kw))
+
+    row.update(measure(name, opt, w, uncond, ref, args.iters, args.cuda_graphs, graphed))
+    runner = opt._specs[opt._first_key].runner
+    row["hoisted_outside_graph"] = runner is not None and runner.hoisted_outside
     return row
 
 
