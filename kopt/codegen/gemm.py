@@ -1,0 +1,899 @@
+"""GEMM template for sm_90: FP8 (e4m3 x e4m3, rowwise or tensorwise fp32 scales) and BF16/FP16,
+fp32 accumulation, with a fused epilogue: ``kopt::fp8_gemm`` and ``kopt::bf16_gemm``.
+
+    acc[m, n] = sum_k a[m, k] * b[k, n]                       (fp32 accumulator)
+    acc       = acc * scale_a[m] * scale_b[n]                 (fp8 only; fp32, in this order)
+    acc       = acc + bias[n]                                 (fp32, before rounding: _scaled_mm)
+    y         = rnd(acc)                                      rnd = round to out_dtype (RNE)
+    y         = rnd(act(y))          act: none | gelu_tanh | silu, computed in fp32
+    y         = rnd(gate[g(m), n] * y)                        g(m) = m // (M / G), gate [G, N]
+    y         = rnd(residual[m, n] + y)
+    y         = generated epilogue lines (optional, see GemmEpilogue)
+
+Each ``rnd`` is where eager PyTorch rounds: ``_scaled_mm``/``addmm`` round their fp32 result once,
+and every bf16 pointwise op computes in fp32 and rounds its own result. The fused kernel keeps all
+of those roundings, so ``residual + gate * act(gemm)`` differs from the unfused ops only through
+the accumulation order of the GEMM (and ulp-level differences of exp): tier ``tolerance``.
+The scale multiply and bias add may contract into one fma (Triton's default), one fp32 rounding
+fewer than CUTLASS's rowwise epilogue.
+
+Layouts (weights are pre-packed at load, so the fastest layout is the one to use):
+- ``a``: [M, K] row-major (K contiguous); for FP8 the row stride must be 16-byte aligned.
+- ``b``: [K, N] column-major, i.e. the ``w.t()`` view of a row-major [N, K] weight, exactly what
+  ``torch._scaled_mm`` takes. Hopper's FP8 ``wgmma`` reads both operands K-major from shared
+  memory, so this is the layout TMA loads straight into the MMA: the kernel builds its descriptor
+  over ``b.t()`` ([N, K], K contiguous) and multiplies by the transposed tile. FP8 requires it;
+  BF16 also accepts any other strides through the pointer path (slower).
+- ``scale_a``: [M, 1], [M] or one value; ``scale_b``: [1, N], [N] or one value; fp32.
+- ``bias``: [N] in out_dtype or fp32. ``gate``: [G, N], [G, 1, N] or [N] with G dividing M (per
+  batch for a [G * T, N] activation of G sequences of T tokens; G = M is a full tensor).
+  ``residual``: M * N values, last dim N. Gate and residual have out_dtype.
+
+FP8 accumulation: Triton's default on sm_90 accumulates inside the tensor cores' own (reduced
+precision) accumulator for the whole K loop, like ``_scaled_mm(use_fast_accum=True)``;
+``fp8_fast_accum=False`` in :func:`gemm` adds each BLOCK_K partial product into the fp32
+accumulator instead (more registers: smaller tiles win). Declared bound: ``FP8_GEMM_BOUND``.
+
+The kernel source is generated (the template plus optional epilogue lines) and imported from a
+file (``triton.jit`` reads the source of the function it compiles): see
+:func:`load_generated_module`.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import keyword
+import os
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from kopt.errors import KoptError
+
+E4M3 = torch.float8_e4m3fn
+ACTIVATIONS = ("none", "gelu_tanh", "silu")
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# FP8 rows must be 16-byte aligned for TMA; torch._scaled_mm has the same rule.
+FP8_K_ALIGN = 16
+# Norm-wise relative error of the FP8 GEMM's bf16 output against the fp64 product of the same
+# e4m3 operands and scales: bf16 rounding (2^-9 per element) plus the tensor cores' reduced
+# precision accumulation over K <= 24576.
+FP8_GEMM_BOUND = 2.0**-7
+
+
+class GemmInputError(KoptError, ValueError):
+    """A GEMM op was called with operands it does not take (dtype, shape, layout, alignment)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Generated epilogue: the contract
+# --------------------------------------------------------------------------------------------
+
+OperandKind = Literal["full", "group", "row", "col", "scalar"]
+
+
+@dataclass(frozen=True)
+class EpilogueOperand:
+    """An extra tensor the generated epilogue reads, loaded as an fp32 tile named ``name``:
+
+    - ``full``   [M, N] (any shape with M * N values, last dim N)  -> [BLOCK_M, BLOCK_N]
+    - ``group``  [G, N] broadcast over M / G consecutive rows       -> [BLOCK_M, BLOCK_N]
+    - ``row``    [M] (one value per output row)                     -> [BLOCK_M, 1]
+    - ``col``    [N] (one value per output column)                  -> [1, BLOCK_N]
+    - ``scalar`` one value                                          -> scalar
+    """
+
+    name: str
+    kind: OperandKind
+
+
+@dataclass(frozen=True)
+class GemmEpilogue:
+    """Triton source lines spliced into the kernel after the fixed epilogue, before the store.
+
+    Lines are plain statements without leading indentation (a nested block indents by 4 spaces
+    relative to its first line), produced by another module (``kopt/codegen/pointwise.py``).
+    Names they may read, all tiles [BLOCK_M, BLOCK_N] unless said otherwise:
+
+    - ``acc``: fp32, the GEMM after scales and bias, before any rounding;
+    - ``y``: fp32 holding the out_dtype value after the fixed steps (rounded, activation, gate,
+      residual): exactly what the unfused graph's tensor holds;
+    - ``offs_m`` [BLOCK_M] / ``offs_n`` [BLOCK_N] int32 row / column indices, ``rows``
+      (``offs_m`` as int64), ``mask_m``, ``mask_n``, ``mask`` (in-bounds);
+    - each operand of ``operands`` by its name (fp32, see :class:`EpilogueOperand`);
+    - ``M``, ``N``, ``OUT_TY`` (the output's Triton dtype), ``tl``, and the helpers
+      ``_round(x, OUT_TY)`` (round fp32 to OUT_TY, RNE, back to fp32 -- call it wherever eager
+      PyTorch would round), ``_gelu_tanh(x)``, ``_silu(x)``.
+
+    The lines must leave the result in ``y`` (fp32, already rounded as eager would round it);
+    the template stores ``y.to(OUT_TY)``. Names starting with ``ep_`` are free for temporaries.
+    """
+
+    lines: tuple[str, ...] = ()
+    operands: tuple[EpilogueOperand, ...] = ()
+
+    def __post_init__(self) -> None:
+        for op in self.operands:
+            if not op.name.isidentifier() or keyword.iskeyword(op.name):
+                raise GemmInputError(f"epilogue operand name {op.name!r} is not an identifier")
+            taken = {op.name, f"{op.name}_ptr", f"{op.name}_stride", f"{op.name}_group"}
+            if taken & _template_names() or op.name.startswith("_"):
+                raise GemmInputError(f"epilogue operand name {op.name!r} is used by the template")
+            if op.kind not in ("full", "group", "row", "col", "scalar"):
+                raise GemmInputError(f"epilogue operand {op.name!r}: unknown kind {op.kind!r}")
+        if len({op.name for op in self.operands}) != len(self.operands):
+            raise GemmInputError("epilogue operand names must be distinct")
+        try:
+            ast.parse(textwrap.dedent("\n".join(self.lines)))
+        except SyntaxError as e:
+            raise GemmInputError(f"generated epilogue lines do not parse: {e}") from e
+
+
+# A reference for a generated epilogue: (y [M, N] in out_dtype, *operands broadcastable to
+# [M, N] in their own dtypes) -> the final [M, N] value, computed with eager PyTorch ops.
+EpilogueReference = Callable[..., torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel template
+# --------------------------------------------------------------------------------------------
+
+_TEMPLATE = '''\
+"""Generated by kopt.codegen.gemm: do not edit (the file name is a hash of this text)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, OUT_TY: tl.constexpr):
+    # fp32 -> OUT_TY -> fp32, round to nearest even. bf16 by bit arithmetic: identical to the
+    # hardware conversion on the GPU, and right under the interpreter (which truncates).
+    if OUT_TY == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        r = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    elif OUT_TY == tl.float16:
+        r = x.to(tl.float16).to(tl.float32)
+    else:
+        r = x
+    return r
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3): no tanh
+    # needed (triton 3.6 and the interpreter lack a common one) and no cancellation near 0
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x / (1.0 + tl.exp(-2.0 * u))
+
+
+@triton.jit
+def _silu(x):
+    # the formula of PyTorch's CUDA kernel: x / (1 + exp(-x))
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def gemm_kernel(
+    a_ptr, b_ptr, a_desc, b_desc, out_ptr,
+    scale_a_ptr, scale_b_ptr, bias_ptr, gate_ptr, res_ptr,
+    #@EXTRA_PARAMS@
+    M, N, K, M_BUCKET,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om,
+    stride_sa, stride_sb, stride_gm, gate_group, stride_rm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, PRECISE_ACC: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    OUT_TY: tl.constexpr = out_ptr.dtype.element_ty
+    # grouped ordering: GROUP_M row-tiles share each column-tile of b while it is in L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        # a_desc: [M, K] tiles [BLOCK_M, BLOCK_K]; b_desc: b.t() = [N, K] tiles [BLOCK_N, BLOCK_K]
+        # (K-major, what fp8 wgmma reads); out-of-bounds boxes are zero-filled
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([off_m, k * BLOCK_K])
+            b = b_desc.load([off_n, k * BLOCK_K])
+            if DOT_IN_FP32:  # the interpreter multiplies bf16 tiles as integers
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if PRECISE_ACC:  # fp8: add each K tile's product into the fp32 accumulator
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b.T, acc)
+    else:
+        offs_am = off_m + tl.arange(0, BLOCK_M)
+        offs_bn = off_n + tl.arange(0, BLOCK_N)
+        # clamp instead of masking rows/columns: the store masks them
+        offs_am = tl.where(offs_am < M, offs_am, 0).to(tl.int64)
+        offs_bn = tl.where(offs_bn < N, offs_bn, 0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if DOT_IN_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if PRECISE_ACC:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows = offs_m.to(tl.int64)
+    if HAS_SCALES:
+        sa = tl.load(scale_a_ptr + rows * stride_sa, mask=mask_m, other=0.0)
+        sb = tl.load(scale_b_ptr + offs_n * stride_sb, mask=mask_n, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    y = _round(acc, OUT_TY)
+    if ACTIVATION == 1:
+        y = _round(_gelu_tanh(y), OUT_TY)
+    elif ACTIVATION == 2:
+        y = _round(_silu(y), OUT_TY)
+    if HAS_GATE:
+        g_rows = rows // gate_group
+        g = tl.load(gate_ptr + g_rows[:, None] * stride_gm + offs_n[None, :], mask=mask, other=0.0)
+        y = _round(g.to(tl.float32) * y, OUT_TY)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        y = _round(r.to(tl.float32) + y, OUT_TY)
+    #@EXTRA_LOADS@
+    #@EPILOGUE@
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], y.to(OUT_TY), mask=mask)
+'''
+
+_LOADS = {
+    "full": "{n} = tl.load({n}_ptr + rows[:, None] * {n}_stride + offs_n[None, :], mask=mask, "
+            "other=0.0).to(tl.float32)",
+    "group": "{n} = tl.load({n}_ptr + (rows // {n}_group)[:, None] * {n}_stride + offs_n[None, :], "
+             "mask=mask, other=0.0).to(tl.float32)",
+    "row": "{n} = tl.load({n}_ptr + rows * {n}_stride, mask=mask_m, other=0.0).to(tl.float32)"
+           "[:, None]",
+    "col": "{n} = tl.load({n}_ptr + offs_n * {n}_stride, mask=mask_n, other=0.0).to(tl.float32)"
+           "[None, :]",
+    "scalar": "{n} = tl.load({n}_ptr).to(tl.float32)",
+}
+
+
+@functools.cache
+def _template_names() -> frozenset[str]:
+    """Every name the template defines or reads: operands (and their ``_ptr``, ``_stride``,
+    ``_group`` parameters) must not shadow them."""
+    names = set()
+    for node in ast.walk(ast.parse(_TEMPLATE)):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name)
+    return frozenset(names)
+
+
+def _splice(template: str, marker: str, lines: Sequence[str]) -> str:
+    """Replace the line holding ``#@marker@`` by ``lines`` at that line's indentation."""
+    out = []
+    for line in template.splitlines():
+        if line.strip() == f"#@{marker}@":
+            indent = line[: len(line) - len(line.lstrip())]
+            out.extend(indent + ln if ln.strip() else "" for ln in lines)
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def render_kernel_source(epilogue: GemmEpilogue | None = None) -> str:
+    """The kernel module's source: the template with the epilogue's parameters, loads and
+    lines spliced in. Deterministic, so its hash names the generated file."""
+    ep = epilogue or GemmEpilogue()
+    params = [f"{o.name}_ptr, {o.name}_stride, {o.name}_group," for o in ep.operands]
+    loads = [_LOADS[o.kind].format(n=o.name) for o in ep.operands]
+    body = textwrap.dedent("\n".join(ep.lines)).splitlines()
+    src = _splice(_TEMPLATE, "EXTRA_PARAMS", params)
+    src = _splice(src, "EXTRA_LOADS", loads)
+    return _splice(src, "EPILOGUE", body)
+
+
+# --------------------------------------------------------------------------------------------
+# Generated modules: written to a file named by the hash of their source, then imported
+# --------------------------------------------------------------------------------------------
+
+_MODULES: dict[str, ModuleType] = {}
+_LOCK = threading.Lock()
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/kopt/generated``, or a per-user folder under the temp dir if home is
+    read-only."""
+    home = Path.home() / ".cache" / "kopt" / "generated"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    tmp = Path(tempfile.gettempdir()) / f"kopt-{uid}" / "generated"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def load_generated_module(source: str, prefix: str, cache_dir: Path | None = None) -> ModuleType:
+    """Import generated Triton source. ``triton.jit`` needs the source of what it compiles
+    (``inspect.getsource``), which ``exec`` of a string does not give on every Triton version:
+    the text goes to ``<cache_dir>/kopt_<prefix>_<sha256[:16]>.py`` (written atomically, so
+    concurrent processes never read half a file) and is imported from there. One module per
+    distinct source per process."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    name = f"kopt_{prefix}_{digest}"
+    with _LOCK:
+        if name in _MODULES:
+            return _MODULES[name]
+        folder = cache_dir or default_cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.py"
+        if not path.exists() or path.read_text() != source:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        _MODULES[name] = module
+        return module
+
+
+# --------------------------------------------------------------------------------------------
+# Autotune configs
+# --------------------------------------------------------------------------------------------
+
+_ACT_CODE = {"none": 0, "gelu_tanh": 1, "silu": 2}
+# the autotune key: one tuned config per (M bucket, N, K, epilogue) and operand dtypes
+_TUNING_KEY = ["M_BUCKET", "N", "K", "USE_TMA", "PRECISE_ACC", "HAS_BIAS", "ACTIVATION",
+               "HAS_GATE", "HAS_RESIDUAL"]
+
+
+def m_bucket(m: int) -> int:
+    """Rows of the tuning key: powers of two up to 256, then multiples of 256 (so 4096, 4224 and
+    4608 tokens each keep their own config: their wave counts differ)."""
+    if m <= 256:
+        return 1 << max(0, (m - 1).bit_length())
+    return -(-m // 256) * 256
+
+
+def gemm_config(bm: int, bn: int, bk: int, group: int = 8, stages: int = 3,
+                warps: int = 8):  # noqa: ANN201
+    """One tile config (``triton.Config``) with the pre-hook that sizes the TMA boxes."""
+    import triton
+
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_stages=stages, num_warps=warps, pre_hook=_set_block_shapes)
+
+
+def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False) -> list:
+    """Hopper (sm_90) tile configs for one (M bucket, N, K).
+
+    BLOCK_K is 128 bytes of K (128 fp8, 64 bf16): one TMA box row per tile row with the widest
+    (128 B) shared-memory swizzle. Large M: 128x256 / 256x128 tiles, 8 warps (two warpgroups of
+    64-row wgmma each, 128 fp32 accumulator registers per thread), 3-4 stages (48 KB a stage in
+    fp8). Small M (modulation GEMVs, decode): bandwidth-bound on b, so narrow N tiles give more
+    CTAs and deep pipelines keep loads in flight; 64 rows is wgmma's smallest M.
+    The interpreter gets one small tile, so awkward shapes exercise every mask quickly."""
+    if interpreted:
+        return [gemm_config(16, 32, 32, 2, 1, 4)]
+    bk = 128 if fp8 else 64
+    if m <= 64:
+        return [gemm_config(64, bn, bk, 1, s, 4) for bn in (32, 64, 128) for s in (4, 6)]
+    if m <= 1024:
+        return [gemm_config(64, 64, bk, 8, 4, 4), gemm_config(64, 128, bk, 8, 4, 4),
+                gemm_config(128, 64, bk, 8, 4, 4), gemm_config(128, 128, bk, 8, 4, 8),
+                gemm_config(64, 256, bk, 8, 4, 4), gemm_config(128, 256, bk, 8, 3, 8)]
+    return [gemm_config(128, 256, bk, 8, 3, 8), gemm_config(128, 256, bk, 8, 4, 8),
+            gemm_config(256, 128, bk, 8, 3, 8), gemm_config(256, 128, bk, 8, 4, 8),
+            gemm_config(128, 128, bk, 8, 4, 4), gemm_config(128, 128, bk, 8, 5, 8),
+            gemm_config(128, 256, bk // 2, 8, 5, 8)]
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    """Autotune pre-hook: the TMA boxes follow the config's tile."""
+    if nargs["a_desc"] is not None:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+_TUNERS: dict[tuple, object] = {}
+
+
+def _tuner(module: ModuleType, configs: list):  # noqa: ANN202
+    import triton
+
+    key = (module.__name__, tuple(str(c) for c in configs))
+    with _LOCK:
+        if key not in _TUNERS:
+            _TUNERS[key] = triton.autotune(configs=configs, key=_TUNING_KEY)(module.gemm_kernel)
+        return _TUNERS[key]
+
+
+def tuned_configs() -> list[dict]:
+    """What autotuning chose so far in this process (for the knowledge base and benchmarks):
+    one row per kernel module and key."""
+    rows = []
+    for (module, _), tuner in _TUNERS.items():
+        for key, cfg in getattr(tuner, "cache", {}).items():
+            rows.append({"module": module, "key": [str(k) for k in key], "config": str(cfg)})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Checks shared by the reference, the fake and the Triton implementation
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Problem:
+    m: int
+    n: int
+    k: int
+    fp8: bool
+    gate: torch.Tensor | None  # [G, N], last dim contiguous
+    residual: torch.Tensor | None  # [M, N], last dim contiguous
+    extra: tuple[torch.Tensor, ...]  # normalised as the operand kinds say
+
+
+def _fail(op: str, msg: str) -> None:
+    raise GemmInputError(f"{op}: {msg}")
+
+
+def _rows(t: torch.Tensor, n: int, what: str, op: str) -> torch.Tensor:
+    """A tensor with last dim N as a [rows, N] matrix whose last dim is contiguous."""
+    if t.dim() == 0 or t.shape[-1] != n:
+        _fail(op, f"{what} has shape {list(t.shape)}; its last dim must be N = {n}")
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _check(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+           scale_b: torch.Tensor | None, bias: torch.Tensor | None, gate: torch.Tensor | None,
+           residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype,
+           fp8: bool, epilogue: GemmEpilogue | None = None,
+           extra: Sequence[torch.Tensor] = ()) -> _Problem:
+    if a.dim() != 2 or b.dim() != 2:
+        _fail(op, f"a and b must be 2-D ([M, K] and [K, N]); got {list(a.shape)} and "
+                  f"{list(b.shape)}")
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2:
+        _fail(op, f"shape mismatch: a is [M, K] = {list(a.shape)} but b is [K, N] = "
+                  f"{list(b.shape)}")
+    if k == 0 or n == 0:
+        _fail(op, f"empty GEMM: K = {k}, N = {n}")
+    if b.device != a.device:
+        _fail(op, f"a is on {a.device} but b on {b.device}")
+    if fp8:
+        if a.dtype != E4M3 or b.dtype != E4M3:
+            _fail(op, f"a and b must be float8_e4m3fn; got {a.dtype} and {b.dtype}")
+        if k % FP8_K_ALIGN:
+            _fail(op, f"misaligned K = {k}: must be a multiple of {FP8_K_ALIGN} (16-byte rows, "
+                      "as torch._scaled_mm requires)")
+        if a.stride(1) != 1:
+            _fail(op, f"a must be row-major [M, K] (stride(1) == 1); got strides {a.stride()}")
+        if b.stride(0) != 1:
+            _fail(op, f"b must be column-major [K, N], the .t() view of a row-major [N, K] weight "
+                      f"(stride(0) == 1); got strides {b.stride()}")
+        for name, s, length in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+            if s is None:
+                _fail(op, f"{name} is required")
+            if s.dtype != torch.float32:
+                _fail(op, f"{name} must be float32; got {s.dtype}")
+            if s.numel() not in (1, length):
+                _fail(op, f"{name} has shape {list(s.shape)}; expected {length} values "
+                          "(rowwise) or one (tensorwise)")
+            if s.device != a.device:
+                _fail(op, f"{name} is on {s.device}, a on {a.device}")
+    else:
+        if a.dtype not in HALF_DTYPES or b.dtype != a.dtype:
+            _fail(op, f"a and b must both be bfloat16 or both float16; got {a.dtype} and "
+                      f"{b.dtype}")
+        if scale_a is not None or scale_b is not None:
+            _fail(op, "a 16-bit GEMM takes no scales")
+    if out_dtype not in OUT_DTYPES:
+        _fail(op, f"out_dtype must be one of {OUT_DTYPES}; got {out_dtype}")
+    if activation not in ACTIVATIONS:
+        _fail(op, f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    if bias is not None:
+        if bias.shape != (n,):
+            _fail(op, f"bias must have shape [N] = [{n}]; got {list(bias.shape)}")
+        if bias.dtype not in (out_dtype, torch.float32):
+            _fail(op, f"bias must be {out_dtype} or float32; got {bias.dtype}")
+    g = r = None
+    if gate is not None:
+        if gate.dtype != out_dtype:
+            _fail(op, f"gate must have the output dtype {out_dtype}; got {gate.dtype}")
+        g = _rows(gate, n, "gate", op)
+        if g.shape[0] == 0 or m % g.shape[0]:
+            _fail(op, f"gate has {g.shape[0]} rows of N; they must divide M = {m} (one per "
+                      "sequence of M / G tokens)")
+    if residual is not None:
+        if residual.dtype != out_dtype:
+            _fail(op, f"residual must have the output dtype {out_dtype}; got {residual.dtype}")
+        r = _rows(residual, n, "residual", op)
+        if r.shape[0] != m:
+            _fail(op, f"residual has shape {list(residual.shape)}; expected M * N = {m} x {n}")
+    for t, what in ((bias, "bias"), (gate, "gate"), (residual, "residual")):
+        if t is not None and t.device != a.device:
+            _fail(op, f"{what} is on {t.device}, a on {a.device}")
+    ops = epilogue.operands if epilogue is not None else ()
+    if len(extra) != len(ops):
+        _fail(op, f"the epilogue reads {len(ops)} operands; got {len(extra)} tensors")
+    norm = []
+    for o, t in zip(ops, extra, strict=True):
+        if t.device != a.device:
+            _fail(op, f"epilogue operand {o.name} is on {t.device}, a on {a.device}")
+        if o.kind == "full":
+            t = _rows(t, n, o.name, op)
+            if t.shape[0] != m:
+                _fail(op, f"epilogue operand {o.name} needs M * N = {m} x {n} values")
+        elif o.kind == "group":
+            t = _rows(t, n, o.name, op)
+            if t.shape[0] == 0 or m % t.shape[0]:
+                _fail(op, f"epilogue operand {o.name}: {t.shape[0]} rows do not divide M = {m}")
+        else:
+            want = {"row": m, "col": n, "scalar": 1}[o.kind]
+            if t.numel() != want:
+                _fail(op, f"epilogue operand {o.name} ({o.kind}) needs {want} values; got "
+                          f"{t.numel()}")
+            t = t.reshape(-1)
+        norm.append(t)
+    return _Problem(m, n, k, fp8, g, r, tuple(norm))
+
+
+# --------------------------------------------------------------------------------------------
+# The reference (CPU path, verification, tests)
+# --------------------------------------------------------------------------------------------
+
+def _library_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+                  scale_b: torch.Tensor | None, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype, p: _Problem) -> torch.Tensor | None:
+    """``torch._scaled_mm`` / ``torch.mm`` where they compute exactly ``rnd(acc * scales +
+    bias)`` (CUDA; rowwise or tensorwise scales, bf16 out), else None."""
+    if not a.is_cuda or (bias is not None and bias.dtype != out_dtype):
+        return None
+    m, n = p.m, p.n
+    if p.fp8 and out_dtype == torch.bfloat16 and n % 16 == 0:
+        if scale_a.numel() == m and scale_b.numel() == n:  # rowwise
+            sa, sb = scale_a.reshape(m, 1), scale_b.reshape(1, n)
+            return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+        if scale_a.numel() == 1 and scale_b.numel() == 1:  # tensorwise
+            sa, sb = scale_a.reshape(()), scale_b.reshape(())
+            return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+    if not p.fp8 and out_dtype == a.dtype:
+        return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+    return None
+
+
+def _gemm_rounded(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+                  scale_b: torch.Tensor | None, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype, p: _Problem, upcast: bool) -> torch.Tensor:
+    """``rnd(acc * scale_a * scale_b + bias)``: the library GEMM where one computes exactly
+    this, else an exact emulation (fp64 products and sums of e4m3/bf16 values are exact for
+    any K that fits in memory; one rounding to fp32, then the epilogue in fp32). ``upcast``:
+    all of it in fp64, no rounding."""
+    if not upcast:
+        y = _library_gemm(a, b, scale_a, scale_b, bias, out_dtype, p)
+        if y is not None:
+            return y
+    acc = a.to(torch.float64) @ b.to(torch.float64)
+    if not upcast:
+        acc = acc.float()
+    if p.fp8:
+        acc = acc * scale_a.reshape(-1, 1).to(acc.dtype) * scale_b.reshape(1, -1).to(acc.dtype)
+    if bias is not None:
+        acc = acc + bias.to(acc.dtype)
+    return acc if upcast else acc.to(out_dtype)
+
+
+def _broadcast_extra(o: EpilogueOperand, t: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    if o.kind == "group":
+        return t.repeat_interleave(m // t.shape[0], dim=0)
+    if o.kind == "row":
+        return t.reshape(m, 1)
+    if o.kind == "col":
+        return t.reshape(1, n)
+    return t if o.kind == "full" else t.reshape(())
+
+
+def gemm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+                   scale_b: torch.Tensor | None, bias: torch.Tensor | None,
+                   gate: torch.Tensor | None, residual: torch.Tensor | None,
+                   activation: str = "none", out_dtype: torch.dtype = torch.bfloat16, *,
+                   epilogue: GemmEpilogue | None = None, extra: Sequence[torch.Tensor] = (),
+                   epilogue_reference: EpilogueReference | None = None,
+                   fp8: bool | None = None, upcast: bool = False) -> torch.Tensor:
+    """The unfused computation in eager PyTorch: ``torch._scaled_mm`` (CUDA, bf16 out) /
+    ``torch.mm`` / an exact emulation, then the epilogue ops in the kernel's order. FP8 when
+    ``fp8`` (default: when ``a`` is e4m3), else 16-bit (no scales). ``upcast``: the same
+    function in fp64 without any rounding (the yardstick for tolerance checks); float64 out."""
+    fp8 = a.dtype == E4M3 if fp8 is None else fp8
+    op = "kopt::fp8_gemm" if fp8 else "kopt::bf16_gemm"
+    p = _check(op, a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8,
+               epilogue, extra)
+    y = _gemm_rounded(a, b, scale_a, scale_b, bias, out_dtype, p, upcast)
+    up = (lambda t: t.to(torch.float64)) if upcast else (lambda t: t)
+    if activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    elif activation == "silu":
+        y = F.silu(y)
+    if p.gate is not None:
+        g = p.gate.shape[0]
+        y = (up(p.gate).reshape(g, 1, p.n) * y.reshape(g, p.m // g, p.n)).reshape(p.m, p.n)
+    if p.residual is not None:
+        y = up(p.residual) + y
+    if epilogue is not None and epilogue.lines:
+        if epilogue_reference is None:
+            _fail(op, "a generated epilogue needs its reference to compute the reference")
+        ops = [up(_broadcast_extra(o, t, p.m, p.n)) for o, t in zip(epilogue.operands, p.extra,
+                                                                    strict=True)]
+        y = epilogue_reference(y, *ops).to(y.dtype)
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton launcher
+# --------------------------------------------------------------------------------------------
+
+@functools.cache
+def _kernel_module(epilogue: GemmEpilogue | None, cache_dir: Path | None) -> ModuleType:
+    return load_generated_module(render_kernel_source(epilogue), "gemm", cache_dir)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor TMA can describe: last dim contiguous, 16-byte aligned base and rows."""
+    es = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
+         scale_b: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+         gate: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         activation: str = "none", out_dtype: torch.dtype = torch.bfloat16, *,
+         epilogue: GemmEpilogue | None = None, extra: Sequence[torch.Tensor] = (),
+         use_tma: bool | None = None, fp8_fast_accum: bool = True,
+         configs: list | None = None, cache_dir: Path | None = None,
+         fp8: bool | None = None) -> torch.Tensor:
+    """Launch the Triton GEMM (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
+
+    ``use_tma``: None picks TMA descriptors on sm_90+ when the operands allow them (row-major
+    ``a``, K-major ``b``, 16-byte aligned), pointer loads otherwise (and on CPU); True forces
+    TMA (the interpreter of triton >= 3.4 runs it too). ``configs`` overrides the autotune
+    list (tests). ``fp8`` as in :func:`gemm_reference`."""
+    import triton
+
+    fp8 = a.dtype == E4M3 if fp8 is None else fp8
+    op = "kopt::fp8_gemm" if fp8 else "kopt::bf16_gemm"
+    p = _check(op, a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8,
+               epilogue, extra)
+    m, n, k = p.m, p.n, p.k
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    bt = b.t()  # [N, K]; K-major when b is the .t() view of a row-major weight
+    tma_ok = _tma_ok(a) and _tma_ok(bt)
+    if use_tma is None:
+        use_tma = tma_ok and a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9
+    elif use_tma and not tma_ok:
+        _fail(op, "use_tma=True needs row-major a and K-major b with 16-byte aligned rows")
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # block shapes are placeholders: the autotune pre-hook sets each config's tile
+        a_desc = TensorDescriptor.from_tensor(a, [16, 16])
+        b_desc = TensorDescriptor.from_tensor(bt, [16, 16])
+    else:
+        a_desc = b_desc = None
+    module = _kernel_module(epilogue, cache_dir)
+    if not a.is_cuda and type(module.gemm_kernel).__name__ != "InterpretedFunction":
+        _fail(op, f"the Triton kernel needs CUDA tensors (got {a.device}; CPU tensors run only "
+                  "under TRITON_INTERPRET=1); the custom op runs the reference there")
+    if configs is None:
+        configs = gemm_configs(m_bucket(m), n, k, fp8, interpreted=not a.is_cuda)
+    kernel = _tuner(module, configs)
+
+    dummy = out  # a pointer for absent operands: never read (their flags are off)
+    sa = scale_a.reshape(-1) if scale_a is not None else dummy
+    sb = scale_b.reshape(-1) if scale_b is not None else dummy
+    g, r = p.gate, p.residual
+    extra_args = []
+    for o, t in zip(epilogue.operands if epilogue else (), p.extra, strict=True):
+        stride = t.stride(0) if t.numel() > 1 else 0
+        group = m // t.shape[0] if o.kind == "group" else 1
+        extra_args += [t, stride, group]
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    ctx = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
+    with ctx:
+        kernel[grid](
+            a, b, a_desc, b_desc, out,
+            sa, sb, bias if bias is not None else dummy, g if g is not None else dummy,
+            r if r is not None else dummy,
+            *extra_args,
+            m, n, k, m_bucket(m),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+            sa.stride(0) if sa.numel() > 1 else 0,
+            sb.stride(0) if sb.numel() > 1 else 0,
+            g.stride(0) if g is not None else 0, m // g.shape[0] if g is not None else 1,
+            r.stride(0) if r is not None else 0,
+            USE_TMA=use_tma,
+            PRECISE_ACC=fp8 and not fp8_fast_accum,
+            DOT_IN_FP32=not a.is_cuda and a.dtype == torch.bfloat16,
+            HAS_SCALES=fp8, HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation],
+            HAS_GATE=g is not None, HAS_RESIDUAL=r is not None,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------
+
+def _triton_ready(a: torch.Tensor) -> bool:
+    """The template's configs and TMA path are for sm_90 (Hopper); older GPUs run the
+    reference (cuBLAS / _scaled_mm)."""
+    return torch.cuda.get_device_capability(a.device) >= (9, 0)
+
+
+@torch.library.custom_op("kopt::fp8_gemm", mutates_args=())
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+             bias: torch.Tensor | None, gate: torch.Tensor | None,
+             residual: torch.Tensor | None, activation: str,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """``rnd(residual + rnd(gate * rnd(act(rnd(a @ b * scale_a * scale_b + bias)))))``, e4m3
+    operands, ``b`` [K, N] column-major. The reference on devices without the Triton kernel."""
+    return gemm_reference(a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype,
+                          fp8=True)
+
+
+@fp8_gemm.register_kernel("cuda")
+def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+      bias: torch.Tensor | None, gate: torch.Tensor | None, residual: torch.Tensor | None,
+      activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    if not _triton_ready(a):
+        return gemm_reference(a, b, scale_a, scale_b, bias, gate, residual, activation,
+                              out_dtype, fp8=True)
+    return gemm(a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8=True)
+
+
+@fp8_gemm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+      bias: torch.Tensor | None, gate: torch.Tensor | None, residual: torch.Tensor | None,
+      activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    p = _check("kopt::fp8_gemm", a, b, scale_a, scale_b, bias, gate, residual, activation,
+               out_dtype, True)
+    return a.new_empty((p.m, p.n), dtype=out_dtype)
+
+
+@torch.library.custom_op("kopt::bf16_gemm", mutates_args=())
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+              gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``rnd(residual + rnd(gate * rnd(act(rnd(a @ b + bias)))))`` for bf16/fp16 operands,
+    ``b`` [K, N] (column-major fastest). The reference on devices without the Triton kernel."""
+    return gemm_reference(a, b, None, None, bias, gate, residual, activation, out_dtype,
+                          fp8=False)
+
+
+@bf16_gemm.register_kernel("cuda")
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor | None,
+      residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    if not _triton_ready(a):
+        return gemm_reference(a, b, None, None, bias, gate, residual, activation, out_dtype,
+                              fp8=False)
+    return gemm(a, b, None, None, bias, gate, residual, activation, out_dtype, fp8=False)
+
+
+@bf16_gemm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor | None,
+      residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    p = _check("kopt::bf16_gemm", a, b, None, None, bias, gate, residual, activation, out_dtype,
+               False)
+    return a.new_empty((p.m, p.n), dtype=out_dtype)
+
+
+_DEFINED: dict[str, tuple[GemmEpilogue, object]] = {}
+
+
+def define_gemm_op(qualname: str, epilogue: GemmEpilogue,
+                   reference: EpilogueReference):  # noqa: ANN201
+    """A custom op for one generated epilogue (FP8 when ``a`` is e4m3, else 16-bit):
+
+        qualname(Tensor a, Tensor b, Tensor? scale_a, Tensor? scale_b, Tensor? bias,
+                 Tensor? gate, Tensor? residual, str activation, ScalarType out_dtype,
+                 Tensor[] extra) -> Tensor
+
+    ``extra`` holds the epilogue's operands in order; ``reference`` computes the epilogue in
+    eager PyTorch (see :data:`EpilogueReference`): the CPU path and verification. Defining the
+    same name twice returns the first op if the epilogue is the same, else raises."""
+    if qualname in _DEFINED:
+        known, op = _DEFINED[qualname]
+        if known != epilogue:
+            raise GemmInputError(f"{qualname} is already defined with another epilogue")
+        return op
+
+    def impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+             scale_b: torch.Tensor | None, bias: torch.Tensor | None,
+             gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
+             out_dtype: torch.dtype, extra: list[torch.Tensor]) -> torch.Tensor:
+        return gemm_reference(a, b, scale_a, scale_b, bias, gate, residual, activation,
+                              out_dtype, epilogue=epilogue, extra=extra,
+                              epilogue_reference=reference)
+
+    op = torch.library.custom_op(qualname, impl, mutates_args=())
+
+    @op.register_kernel("cuda")
+    def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+          scale_b: torch.Tensor | None, bias: torch.Tensor | None, gate: torch.Tensor | None,
+          residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype,
+          extra: list[torch.Tensor]) -> torch.Tensor:
+        if not _triton_ready(a):
+            return impl(a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype,
+                        extra)
+        return gemm(a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype,
+                    epilogue=epilogue, extra=extra)
+
+    @op.register_fake
+    def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+          scale_b: torch.Tensor | None, bias: torch.Tensor | None, gate: torch.Tensor | None,
+          residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype,
+          extra: list[torch.Tensor]) -> torch.Tensor:
+        fp8 = a.dtype == E4M3
+        p = _check(qualname, a, b, scale_a, scale_b, bias, gate, residual, activation,
+                   out_dtype, fp8, epilogue, extra)
+        return a.new_empty((p.m, p.n), dtype=out_dtype)
+
+    _DEFINED[qualname] = (epilogue, op)
+    return op

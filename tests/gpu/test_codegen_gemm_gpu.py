@@ -1,0 +1,168 @@
+"""The GEMM template on the H200: FP8 against ``torch._scaled_mm`` and BF16 against ``torch.mm``,
+both measured against the fp64 product of the same operands, at the W1 (Qwen-Image) GEMM shapes;
+fused epilogues against the unfused eager ops; TMA and pointer paths; CUDA graphs, torch.compile.
+
+    pytest -q -m gpu tests/gpu/test_codegen_gemm_gpu.py -s     # -s prints the error table
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kopt.codegen.gemm import (
+    FP8_GEMM_BOUND,
+    EpilogueOperand,
+    GemmEpilogue,
+    gemm,
+    gemm_config,
+    gemm_reference,
+)
+from kopt.codegen.kernels.quant_fp8 import quant_fp8_rowwise_reference
+from kopt.verify import relative_error
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+# one config for numerics-only tests (autotuning every epilogue variant would take minutes)
+ONE = [gemm_config(128, 256, 128, 8, 3, 8)]
+ONE_BF16 = [gemm_config(128, 256, 64, 8, 3, 8)]
+# precise fp8 accumulation keeps a second accumulator: a 128x128 tile leaves registers for it
+PRECISE = [gemm_config(128, 128, 128, 8, 3, 8)]
+
+# (M, N, K, bias): W1 image QKV, MLP up, MLP down, joint out-proj, text QKV, modulation GEMV
+W1 = [(4096, 9216, 3072, True), (4096, 12288, 3072, True), (4096, 3072, 12288, True),
+      (4224, 3072, 3072, False), (128, 9216, 3072, True), (1, 18432, 3072, True)]
+
+
+def fp8_operands(m: int, n: int, k: int, bias: bool = False, seed: int = 0) -> tuple:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", dtype=BF16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=BF16, generator=g) / k**0.5
+    a, sa = quant_fp8_rowwise_reference(x)
+    wq, sw = quant_fp8_rowwise_reference(w)
+    b_ = torch.randn(n, device="cuda", dtype=BF16, generator=g) if bias else None
+    return a, wq.t(), sa, sw.t(), b_
+
+
+def ids(case: tuple) -> str:
+    return "x".join(map(str, case[:3])) + ("+bias" if case[3] else "")
+
+
+@pytest.mark.parametrize("case", W1, ids=ids)
+def test_fp8_gemm_matches_scaled_mm_at_w1_shapes(case: tuple) -> None:
+    m, n, k, has_bias = case
+    a, b, sa, sb, bias = fp8_operands(m, n, k, has_bias)
+    out = torch.ops.kopt.fp8_gemm(a, b, sa, sb, bias, None, None, "none", BF16)  # autotuned
+    lib = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=BF16)
+    exact = gemm_reference(a, b, sa, sb, bias, None, None, upcast=True)
+    err, err_lib = relative_error(out, exact), relative_error(lib, exact)
+    precise = gemm(a, b, sa, sb, bias, fp8_fast_accum=False, configs=PRECISE)
+    err_precise = relative_error(precise, exact)
+    print(f"\n{ids(case)}: kopt {err:.2e} (precise acc {err_precise:.2e}), "
+          f"_scaled_mm {err_lib:.2e} vs fp64")
+    assert err <= FP8_GEMM_BOUND
+    # promoting each K tile to fp32 is what _scaled_mm(use_fast_accum=False) does
+    assert err_precise <= 1.1 * err_lib + 1e-4
+
+
+def test_fp8_tma_and_pointer_paths_agree() -> None:
+    m, n, k = 1000, 1040, 1024  # M, N not multiples of any tile
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    exact = gemm_reference(a, b, sa, sb, bias, None, None, upcast=True)
+    for use_tma in (True, False):
+        out = gemm(a, b, sa, sb, bias, use_tma=use_tma, configs=ONE)
+        assert relative_error(out, exact) <= FP8_GEMM_BOUND, use_tma
+
+
+# (bias, activation, gate: "batch" [B, 1, N] | "full" | None, residual)
+EPILOGUES = {
+    "bias_gelu": (True, "gelu_tanh", None, False),  # Qwen-Image MLP up
+    "bias_gate_residual": (True, "none", "batch", True),  # Qwen-Image out-proj / MLP down
+    "gate_residual": (False, "none", "batch", True),  # FLUX.2 out-proj / FF down
+    "silu_full_gate": (False, "silu", "full", False),
+    "all": (True, "gelu_tanh", "batch", True),
+}
+
+
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_fp8_fused_epilogue_vs_unfused_eager_ops(name: str) -> None:
+    has_bias, act, gate_kind, has_res = EPILOGUES[name]
+    m, n, k = 2 * 2112, 3072, 3072  # two sequences of 4096 + 128 tokens / 2
+    a, b, sa, sb, bias = fp8_operands(m, n, k, has_bias)
+    gate = res = None
+    if gate_kind == "batch":
+        gate = torch.randn(2, 1, n, device="cuda", dtype=BF16)
+    elif gate_kind == "full":
+        gate = torch.randn(m, n, device="cuda", dtype=BF16)
+    if has_res:
+        res = torch.randn(m, n, device="cuda", dtype=BF16)
+    out = gemm(a, b, sa, sb, bias, gate, res, act, BF16, configs=ONE)
+    unfused = gemm_reference(a, b, sa, sb, bias, gate, res, act, BF16)  # _scaled_mm + eager
+    exact = gemm_reference(a, b, sa, sb, bias, gate, res, act, BF16, upcast=True)
+    err, err_unfused = relative_error(out, exact), relative_error(unfused, exact)
+    same = (out == unfused).float().mean().item()
+    print(f"\n{name}: fused {err:.2e}, unfused {err_unfused:.2e} vs fp64; "
+          f"{same:.1%} bitwise equal to unfused")
+    assert err <= 2 * err_unfused + 2**-9
+
+
+@pytest.mark.parametrize("case", [(4224, 3072, 3072), (128, 12288, 3072), (1, 18432, 3072)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_bf16_gemm_matches_torch_mm(case: tuple) -> None:
+    m, n, k = case
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16) / k**0.5
+    bias = torch.randn(n, device="cuda", dtype=BF16)
+    out = torch.ops.kopt.bf16_gemm(x, w.t(), bias, None, None, "none", BF16)
+    lib = torch.addmm(bias, x, w.t())
+    exact = gemm_reference(x, w.t(), None, None, bias, None, None, upcast=True)
+    err, err_lib = relative_error(out, exact), relative_error(lib, exact)
+    print(f"\nbf16 {case}: kopt {err:.2e}, torch {err_lib:.2e} vs fp64")
+    assert err <= 1.25 * err_lib + 1e-4
+
+
+def test_bf16_gemm_row_major_b_takes_the_pointer_path() -> None:
+    m, n, k = 1000, 1040, 1000
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    w = torch.randn(k, n, device="cuda", dtype=BF16) / k**0.5  # [K, N] row-major
+    res = torch.randn(m, n, device="cuda", dtype=BF16)
+    out = gemm(x, w, None, None, None, None, res, "silu", BF16, configs=ONE_BF16)
+    exact = gemm_reference(x, w, None, None, None, None, res, "silu", BF16, upcast=True)
+    unfused = gemm_reference(x, w, None, None, None, None, res, "silu", BF16)
+    assert relative_error(out, exact) <= 2 * relative_error(unfused, exact) + 2**-9
+
+
+def test_generated_epilogue_on_gpu() -> None:
+    ep = GemmEpilogue(lines=("y = _round(_round(y * scale, OUT_TY) + shift, OUT_TY)",),
+                      operands=(EpilogueOperand("scale", "col"), EpilogueOperand("shift", "group")))
+    m, n, k = 4224, 3072, 3072
+    a, b, sa, sb, _ = fp8_operands(m, n, k)
+    extra = [torch.randn(n, device="cuda", dtype=BF16),
+             torch.randn(2, n, device="cuda", dtype=BF16)]
+    out = gemm(a, b, sa, sb, epilogue=ep, extra=extra, configs=ONE)
+    kw = dict(epilogue=ep, extra=extra, epilogue_reference=lambda y, s, t: y * s + t)
+    exact = gemm_reference(a, b, sa, sb, None, None, None, upcast=True, **kw)
+    unfused = gemm_reference(a, b, sa, sb, None, None, None, **kw)
+    assert relative_error(out, exact) <= 2 * relative_error(unfused, exact) + 2**-9
+
+
+def test_fp8_gemm_replays_in_a_cuda_graph_and_compiles() -> None:
+    m, n, k = 256, 3072, 3072
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    gate = torch.randn(1, n, device="cuda", dtype=BF16)
+    res = torch.randn(m, n, device="cuda", dtype=BF16)
+
+    def f(a: torch.Tensor, sa: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kopt.fp8_gemm(a, b, sa, sb, bias, gate, res, "none", BF16)
+
+    f(a, sa)  # autotune outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(a, sa)
+    a2, _, sa2, _, _ = fp8_operands(m, n, k, seed=1)
+    a.copy_(a2)
+    sa.copy_(sa2)
+    graph.replay()
+    torch.testing.assert_close(out, f(a2, sa2), rtol=0, atol=0)
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(a2, sa2), f(a2, sa2), rtol=0, atol=0)
