@@ -34,6 +34,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from kopt.codegen import FP64_REFERENCES
 from kopt.graph import attr
 from kopt.passes.base import Verdict
 from kopt.patterns.core import Numerics
@@ -102,6 +103,8 @@ class _Upcast(fx.Interpreter):
             target = torch.ops.aten.reshape.default
         if target is torch.ops.aten._scaled_mm.default:
             return _scaled_mm64(*args, **kwargs)
+        if target in FP64_REFERENCES:
+            return FP64_REFERENCES[target](*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
 

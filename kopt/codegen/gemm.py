@@ -61,6 +61,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kopt.codegen import fp64_reference
 from kopt.errors import KoptError
 
 E4M3 = torch.float8_e4m3fn
@@ -602,11 +603,16 @@ def _library_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None
                   scale_b: torch.Tensor | None, bias: torch.Tensor | None,
                   out_dtype: torch.dtype, p: _Problem) -> torch.Tensor | None:
     """``torch._scaled_mm`` / ``torch.mm`` where they compute exactly ``rnd(acc * scales +
-    bias)`` (CUDA; rowwise or tensorwise scales, bf16 out), else None."""
-    if not a.is_cuda or (bias is not None and bias.dtype != out_dtype):
+    bias)`` (rowwise or tensorwise scales; CUDA: bf16 out), else None."""
+    if bias is not None and bias.dtype != out_dtype:
         return None
     m, n = p.m, p.n
-    if p.fp8 and out_dtype == torch.bfloat16 and n % 16 == 0:
+    # CUDA's rowwise kernel writes bf16 only; the CPU one any float dtype (and is what an
+    # unfused graph runs there, so the CPU path of a fused op equals the unfused graph)
+    out_ok = out_dtype == torch.bfloat16 or (not a.is_cuda and out_dtype.is_floating_point)
+    if not a.is_cuda and not p.fp8:
+        return None
+    if p.fp8 and out_ok and n % 16 == 0:
         if scale_a.numel() == m and scale_b.numel() == n:  # rowwise
             sa, sb = scale_a.reshape(m, 1), scale_b.reshape(1, n)
             return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
@@ -817,6 +823,31 @@ def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Te
     return a.new_empty((p.m, p.n), dtype=out_dtype)
 
 
+def _epilogue64(y: torch.Tensor, gate: torch.Tensor | None, residual: torch.Tensor | None,
+                activation: str) -> torch.Tensor:
+    m, n = y.shape
+    if activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    elif activation == "silu":
+        y = F.silu(y)
+    if gate is not None:
+        g = gate.numel() // n
+        y = (gate.reshape(g, 1, n) * y.reshape(g, m // g, n)).reshape(m, n)
+    if residual is not None:
+        y = residual.reshape(m, n) + y
+    return y
+
+
+@fp64_reference(torch.ops.kopt.fp8_gemm.default)
+def _fp8_gemm64(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                bias: torch.Tensor | None, gate: torch.Tensor | None,
+                residual: torch.Tensor | None, activation: str,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    y = (a.double() * scale_a.double().reshape(-1, 1)) @ (
+        b.double() * scale_b.double().reshape(1, -1))
+    return _epilogue64(y if bias is None else y + bias.double(), gate, residual, activation)
+
+
 @torch.library.custom_op("kopt::bf16_gemm", mutates_args=())
 def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
               gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
@@ -845,6 +876,14 @@ def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gate: torch.T
 
 
 _DEFINED: dict[str, tuple[GemmEpilogue, object]] = {}
+
+
+@fp64_reference(torch.ops.kopt.bf16_gemm.default)
+def _bf16_gemm64(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                 gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    y = a.double() @ b.double()
+    return _epilogue64(y if bias is None else y + bias.double(), gate, residual, activation)
 
 
 def define_gemm_op(qualname: str, epilogue: GemmEpilogue,

@@ -42,6 +42,10 @@ class PassConfig:
     absorb_bias: bool = True
     """A bias add after a GEMM (the FP8 linears') moves into the GEMM's epilogue."""
 
+    gemm_epilogue: bool = False
+    """The (gated) residual add after an FP8 GEMM runs in kopt's GEMM epilogue. Off until the
+    Triton GEMM is measured at parity with cuBLAS on the target shapes (benchmarks/RESULTS.md)."""
+
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""
 

@@ -25,6 +25,7 @@ from kopt.passes.hoist import HoistInvariants, cached_regions
 from kopt.passes.noop import RemoveNoOps
 from kopt.patterns.bias import ABSORB_BIAS
 from kopt.patterns.fp8 import fp8_linear
+from kopt.patterns.gemm_epilogue import GEMM_EPILOGUE
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.verify import VerifyOptions, compare
 
@@ -37,6 +38,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("merge_projections", lambda c: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
     ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV
     ("absorb_bias", lambda c: RewritePass("absorb_bias", [ABSORB_BIAS])),
+    ("gemm_epilogue", lambda c: RewritePass("gemm_epilogue", [GEMM_EPILOGUE])),
     ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
     ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),
 )

@@ -73,3 +73,13 @@ def test_cuda_graph_mode_replays_cfg_pairs_with_changing_timesteps() -> None:
     assert runner_checked
     (hits, misses), = graphed.cache_stats().values()
     assert hits >= 4 and misses >= 4
+
+
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny", "llm-tiny"])
+def test_gemm_epilogue_verifies_with_the_triton_gemm(name: str) -> None:
+    w = build(name, device="cuda", dtype=torch.bfloat16)
+    config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16), gemm_epilogue=True)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, config)
+    result = opt.report.result("gemm_epilogue")
+    assert result.matched >= 4 and result.verdict.passed, str(opt.report)
+    print(f"{name}: {result.verdict.detail}")
