@@ -1,0 +1,232 @@
+"""Row-wise fused kernels vs the unfused eager ops vs Inductor's fused kernel, at W1/W2 shapes.
+
+    python benchmarks/kernels_rowwise.py --out rowwise.json     # on the GPU; prints a table
+
+Cases (bf16, random non-zero data): LayerNorm + adaLN + FP8 quant, RMSNorm + FP8 quant, gated
+residual + LayerNorm + modulation (bf16 out, and + FP8), standalone FP8 (per token, per 1x128
+group) and NVFP4 quantization; shapes W1 (Qwen-Image: 4096 image + 128 text tokens, hidden 3072)
+and W2 (FLUX.2: 4096 + 512 tokens, hidden 6144).
+
+Each variant computes the same outputs: ``kopt`` the generated kernel (kopt.codegen), ``eager``
+the reference function (the unfused aten ops), ``inductor`` ``torch.compile`` of that function.
+Device time: ``triton.testing.do_bench`` median of a CUDA graph replaying the variant over
+enough rotating input copies that nothing stays in L2 (do_bench flushes L2 before each replay),
+divided by the calls in the graph. ``kopt launch`` is do_bench of a plain call (device time plus
+host overhead). GB/s counts the bytes the kernel must move (every input read once, every output
+written once); ``of copy`` is that over the copy bandwidth measured in the same run
+(``torch.empty_like(x).copy_(x)`` on 1 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kopt.codegen.kernels.nvfp4 import quant_nvfp4_reference, quant_nvfp4_triton
+from kopt.codegen.kernels.quant_fp8 import (
+    quant_fp8_group_reference,
+    quant_fp8_group_triton,
+    quant_fp8_rowwise_reference,
+    quant_fp8_rowwise_triton,
+)
+from kopt.codegen.rowwise import RowwiseSpec, rowwise_reference, rowwise_triton
+
+WORKLOADS = {"W1": (4096 + 128, 3072), "W2": (4096 + 512, 6144)}
+L2_BYTES = 64 << 20  # H200: 50 MiB; rotate through > 4x this per graph
+DEVICE = "cuda"
+
+
+@dataclass
+class Case:
+    name: str
+    spec: RowwiseSpec | None  # None: a standalone quantizer
+    kopt: Callable[..., object]
+    reference: Callable[..., object]
+    inputs: Callable[[int, int, torch.Generator], dict[str, torch.Tensor]]
+
+
+def _bf16(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    # never zero: a zero row would make the quantizers' work trivially smaller
+    t = torch.randn(*shape, device=DEVICE, generator=g) * scale
+    return torch.where(t == 0, 1e-3, t).to(torch.bfloat16)
+
+
+def _row_inputs(spec: RowwiseSpec) -> Callable[[int, int, torch.Generator], dict]:
+    def make(rows: int, cols: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+        full = {
+            "x": lambda: _bf16(g, 1, rows, cols), "y": lambda: _bf16(g, 1, rows, cols),
+            "gate": lambda: _bf16(g, 1, cols), "scale": lambda: _bf16(g, 1, cols, scale=0.3),
+            "shift": lambda: _bf16(g, 1, cols), "weight": lambda: _bf16(g, cols, scale=0.1) + 1,
+            "global_scale": lambda: torch.tensor([0.003], device=DEVICE),
+        }
+        return {n: full[n]() for n in spec.input_names()}
+    return make
+
+
+def _spec_case(name: str, spec: RowwiseSpec) -> Case:
+    def kopt(num_warps: int | None = None, **ins: torch.Tensor) -> object:
+        return rowwise_triton(spec, [ins[n] for n in spec.input_names()], num_warps=num_warps)
+
+    def reference(**ins: torch.Tensor) -> object:
+        return rowwise_reference(spec, ins)
+
+    return Case(name, spec, kopt, reference, _row_inputs(spec))
+
+
+def _quant_case(name: str, kopt: Callable, reference: Callable, nvfp4: bool = False) -> Case:
+    def make(rows: int, cols: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+        ins = {"x": _bf16(g, rows, cols)}
+        if nvfp4:
+            ins["global_scale"] = torch.tensor([0.003], device=DEVICE)
+        return ins
+
+    def k(num_warps: int | None = None, **ins: torch.Tensor) -> object:
+        return kopt(*ins.values())
+
+    return Case(name, None, k, lambda **ins: reference(*ins.values()), make)
+
+
+CASES = [
+    _spec_case("layernorm+adaLN+fp8", RowwiseSpec(
+        "bfloat16", norm="layer", eps=1e-6, modulation=True, outputs=("fp8_row",))),
+    _spec_case("rmsnorm+fp8", RowwiseSpec(
+        "bfloat16", norm="rms", eps=1e-6, weight=True, affine_after_round=True,
+        outputs=("fp8_row",))),
+    _spec_case("gated res+layernorm+mod", RowwiseSpec(
+        "bfloat16", norm="layer", eps=1e-6, residual=True, gate=True, modulation=True,
+        outputs=("out", "residual"))),
+    _spec_case("gated res+layernorm+mod+fp8", RowwiseSpec(
+        "bfloat16", norm="layer", eps=1e-6, residual=True, gate=True, modulation=True,
+        outputs=("residual", "fp8_row"))),
+    _spec_case("layernorm+adaLN+fp8 1x128", RowwiseSpec(
+        "bfloat16", norm="layer", eps=1e-6, modulation=True, outputs=("fp8_group",))),
+    _quant_case("quant fp8 per token", quant_fp8_rowwise_triton, quant_fp8_rowwise_reference),
+    _quant_case("quant fp8 1x128", quant_fp8_group_triton, quant_fp8_group_reference),
+    _quant_case("quant nvfp4", quant_nvfp4_triton, quant_nvfp4_reference, nvfp4=True),
+]
+
+
+def _nbytes(tensors: object) -> int:
+    if isinstance(tensors, dict):
+        tensors = list(tensors.values())
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[union-attr]
+
+
+def _device_ms(fn: Callable[..., object], input_sets: list[dict]) -> float:
+    """Median device time of one call: a CUDA graph of calls over rotating input sets."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for ins in input_sets[:2]:
+            fn(**ins)  # compile / autotune outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for ins in input_sets:
+            fn(**ins)
+    torch.cuda.synchronize()
+    return do_bench(graph.replay, return_mode="median") / len(input_sets)
+
+
+def _copy_gbps() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    ms = do_bench(lambda: torch.empty_like(x).copy_(x), return_mode="median")
+    return 2 * x.numel() / ms / 1e6
+
+
+def _check(case: Case, ins: dict) -> str:
+    """kopt against the reference: 'bitwise' or the relative error of the first float output."""
+    got, ref = case.kopt(**ins), case.reference(**ins)
+    got_l = list(got.values()) if isinstance(got, dict) else list(got)
+    ref_l = list(ref.values()) if isinstance(ref, dict) else list(ref)
+    if all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1
+           else torch.equal(a, b) for a, b in zip(got_l, ref_l, strict=True)):
+        return "bitwise"
+    errs = []
+    for a, b in zip(got_l, ref_l, strict=True):
+        a64, b64 = a.float().double(), b.float().double()
+        errs.append(((a64 - b64).norm() / b64.norm().clamp(min=1e-30)).item())
+    return f"rel err <= {max(errs):.1e}"
+
+
+def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> dict:
+    rows, cols = WORKLOADS[workload]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    one = case.inputs(rows, cols, g)
+    moved = _nbytes(one) + _nbytes(case.reference(**one))
+    n_sets = max(2, -(-4 * L2_BYTES // moved))
+    sets = [one] + [case.inputs(rows, cols, g) for _ in range(n_sets - 1)]
+    t_kopt = _device_ms(case.kopt, sets)
+    t_eager = _device_ms(case.reference, sets)
+    t_ind = _device_ms(torch.compile(case.reference), sets)
+    t_launch = do_bench(lambda: case.kopt(**one), return_mode="median")
+    row = {
+        "workload": workload, "case": case.name, "rows": rows, "cols": cols, "bytes": moved,
+        "kopt_us": t_kopt * 1e3, "eager_us": t_eager * 1e3, "inductor_us": t_ind * 1e3,
+        "kopt_launch_us": t_launch * 1e3, "kopt_GBps": moved / t_kopt / 1e6,
+        "inductor_GBps": moved / t_ind / 1e6, "kopt_of_copy": moved / t_kopt / 1e6 / copy_gbps,
+        "kopt_over_inductor": t_kopt / t_ind, "check": _check(case, one),
+        "spec": case.spec.to_json() if case.spec is not None else None,
+    }
+    if sweep_warps and case.spec is not None:
+        row["warps_us"] = {
+            w: _device_ms(lambda w=w, **ins: case.kopt(num_warps=w, **ins), sets) * 1e3
+            for w in (4, 8, 16, 32)
+        }
+    return row
+
+
+def run(workloads: list[str], cases: list[Case], sweep_warps: bool) -> dict:
+    copy = _copy_gbps()
+    rows_out = []
+    for workload in workloads:
+        for case in cases:
+            row = measure(case, workload, sweep_warps, copy)
+            rows_out.append(row)
+            print(_fmt(row), flush=True)
+            torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "copy_GBps": copy, "rows": rows_out}
+
+
+HEADER = (f"{'wl':<3} {'case':<28} {'kopt us':>8} {'eager us':>9} {'ind us':>8} "
+          f"{'kopt GB/s':>9} {'of copy':>7} {'kopt/ind':>8} {'launch us':>9}  check")
+
+
+def _fmt(r: dict) -> str:
+    return (f"{r['workload']:<3} {r['case']:<28} {r['kopt_us']:8.1f} {r['eager_us']:9.1f} "
+            f"{r['inductor_us']:8.1f} {r['kopt_GBps']:9.0f} {r['kopt_of_copy']:7.2f} "
+            f"{r['kopt_over_inductor']:8.2f} {r['kopt_launch_us']:9.1f}  {r['check']}"
+            + (f"  warps {r['warps_us']}" if "warps_us" in r else ""))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--workloads", default="W1,W2", help="comma-separated: W1,W2")
+    p.add_argument("--cases", default="", help="substring filter on case names")
+    p.add_argument("--sweep-warps", action="store_true",
+                   help="also time the row-wise kernels at 4/8/16/32 warps")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels_rowwise.py needs a CUDA device")
+    cases = [c for c in CASES if args.cases in c.name]
+    print(HEADER)
+    result = run(args.workloads.split(","), cases, args.sweep_warps)
+    print(f"copy bandwidth: {result['copy_GBps']:.0f} GB/s on {result['device']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
