@@ -29,7 +29,8 @@ def main() -> None:
                  "col-major [M,K/128]": sa.t().contiguous().t()}
     layouts_w = {"row-major [N/128,K/128]": sw.contiguous(),
                  "col-major [N/128,K/128]": sw.t().contiguous().t(),
-                 "[K/128,N/128] row-major": sw.t().contiguous()}
+                 "[K/128,N/128] row-major": sw.t().contiguous(),
+                 "[K/128,N/128] = [N/128,K/128].t()": sw.t()}
     for (na, ta), (nw, tw) in itertools.product(layouts_a.items(), layouts_w.items()):
         try:
             out = F.scaled_mm(a, w.t(), ta, F.ScalingType.BlockWise1x128, tw,
