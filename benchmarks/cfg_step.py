@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 
 import torch
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--fp8", action="store_true", help="FP8 rowwise linears in every variant")
     p.add_argument("--cuda-graph", action="store_true")
+    p.add_argument("--rounds", type=int, default=2, help="round-robin timing rounds")
     p.add_argument("--out")
     args = p.parse_args()
     fp8 = FP8Config() if args.fp8 else None
@@ -75,7 +77,8 @@ def main() -> None:
                 (f"{prefix}-no-hoist", PassConfig(fp8=fp8, hoist=False))]
     if args.fp8:
         variants.append((f"{prefix}-no-fold", PassConfig(fp8=fp8, fold_constants=False)))
-    for i, (name, config) in enumerate(variants):
+    steps_of: dict[str, object] = {}
+    for name, config in variants:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         spec = optimize_captured(cap, config, VerifyOptions(enabled=False), None, name, 0.0)
@@ -92,15 +95,26 @@ def main() -> None:
                 gm(*flat_c)
                 gm(*flat_u)
 
-        row[f"{name}_step_ms"] = time_ms(step, args.iters)
-        row[f"{name}_cache_hits_misses"] = [(m.hits, m.misses) for m in cached_regions(spec.gm)]
-        print(f"{name} step {row[f'{name}_step_ms']:.2f} ms", flush=True)
-        if args.cuda_graph and i == 0:
-            row.update(cuda_graph_check(spec.gm, flat_for(cond, t0_), t0_, steps[1], args.iters))
-        # the step closure holds the graph (and its FP8 constants) too
-        del spec, step
+        steps_of[name] = (spec.gm, step)
+    # Every variant is timed in each of ``rounds`` rounds, round-robin, so that a drift of the
+    # GPU's clocks over the run does not favour the variant timed first.
+    for r in range(args.rounds):
+        for name, (_gm, step) in steps_of.items():
+            ms = time_ms(step, args.iters)
+            row.setdefault(f"{name}_step_ms_rounds", []).append(ms)
+            print(f"round {r}: {name} step {ms:.2f} ms", flush=True)
+        ms = time_ms(eager_step, args.iters)
+        row.setdefault("eager_step_ms_rounds", []).append(ms)
+        print(f"round {r}: eager step {ms:.2f} ms", flush=True)
+    for name, (gm, _) in steps_of.items():
+        row[f"{name}_step_ms"] = statistics.median(row[f"{name}_step_ms_rounds"])
+        row[f"{name}_cache_hits_misses"] = [(m.hits, m.misses) for m in cached_regions(gm)]
+    if args.cuda_graph:
+        gm = steps_of[variants[0][0]][0]
+        steps_of.clear()  # the other variants' constants are no longer needed
         gc.collect()
         torch.cuda.empty_cache()
+        row.update(cuda_graph_check(gm, flat_for(cond, t0_), t0_, steps[1], args.iters))
     report(row, args.out)
 
 

@@ -189,7 +189,7 @@ def _exact_program() -> PointwiseProgram:
         (Operand("x", "tile", bf), Operand("u", "tile", bf), Operand("m", "batch", bf),
          Operand("c", "col", f32)),
         (Instr("mul", ("x", "u"), bf), Instr("div", ("%0", 3.0), bf),  # CUDA: * fp32(1/3)
-         Instr("div", ("%1", "m"), bf), Instr("abs", ("%2",), bf), Instr("sqrt", ("%3",), f32),
+         Instr("div", ("%1", "m"), bf), Instr("abs", ("%2",), bf), Instr("sqrt", ("%3",), bf),
          Instr("add", ("%4", "c"), f32), Instr("square", ("%5",), f32),
          Instr("cast", ("%6",), bf), Instr("sub", (1.0, "%7"), bf)), ("%8",))
 
