@@ -27,6 +27,7 @@ class UsageError(Exception):
 def _parser() -> argparse.ArgumentParser:
     from kopt.models import MODEL_NAMES
     from kopt.passes import PassConfig
+    from kopt.passes.config import LAYOUTS
 
     p = argparse.ArgumentParser(prog="kopt", description="Graph-rewriting optimizer for "
                                 "PyTorch inference.")
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    "against a bound)")
     o.add_argument("--fp8-min-features", type=int, default=1024, metavar="N",
                    help="smallest in/out features a linear needs for --fp8 (default: 1024)")
+    o.add_argument("--fp8-layout", choices=LAYOUTS, default="rowwise",
+                   help="rowwise: per output channel x per token; blockwise: 128x128 weight "
+                        "blocks x 1x128 activation groups (default: rowwise)")
     o.add_argument("--no-verify", action="store_true", help="skip verification (not advised)")
     o.add_argument("--seeds", type=int, default=3, help="verification seeds (default: 3)")
     o.add_argument("--explain", metavar="NODE", action="append", default=[],
@@ -112,7 +116,8 @@ def _optimize(args: argparse.Namespace) -> int:
 
     config = PassConfig().replace(**{p: False for p in args.disable})
     if args.fp8:
-        config = config.replace(fp8=FP8Config(min_features=args.fp8_min_features))
+        config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
+                                              min_features=args.fp8_min_features))
     verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
     print(f"kopt {kopt.__version__}: optimizing {name}; torch {torch.__version__}, "
           f"{args.dtype} on {args.device}", flush=True)

@@ -5,22 +5,26 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+LAYOUTS = ("rowwise", "blockwise")
+
 
 @dataclass(frozen=True)
 class FP8Config:
     """How the fp8 pass quantizes: which layout, and which linears are large enough to gain."""
 
     layout: str = "rowwise"
-    """``rowwise``: weights per output channel, activations per token (``torch._scaled_mm``)."""
+    """``rowwise``: weights per output channel, activations per token (``torch._scaled_mm``).
+    ``blockwise``: weights in 128x128 blocks, activations in 1x128 groups (``F.scaled_mm``'s
+    blockwise recipe on CUDA); linears whose features are not multiples of 128 stay as they
+    are, with that reason."""
 
     min_features: int = 1024
     """Linears with fewer input or output features stay as they are (the naive FP8 recipe's
     threshold: below it quantizing costs more than the faster GEMM saves)."""
 
     def __post_init__(self) -> None:
-        if self.layout != "rowwise":
-            raise ValueError(f"fp8 layout {self.layout!r} is not available; 'rowwise' is (the "
-                             "128x128 / 1x128 block layout needs kopt's FP8 GEMM)")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown fp8 layout {self.layout!r}; layouts: {', '.join(LAYOUTS)}")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,14 @@ class PassConfig:
     gemm_epilogue: bool = False
     """The (gated) residual add after an FP8 GEMM runs in kopt's GEMM epilogue. Off until the
     Triton GEMM is measured at parity with cuBLAS on the target shapes (benchmarks/RESULTS.md)."""
+
+    fuse_qk_norm_rope: bool = True
+    """q/k RMSNorm + RoPE (+ the text/image concatenation) in one kernel that reads q and k
+    strided out of the (merged) projection output."""
+
+    fuse_act_quant: bool = True
+    """SwiGLU / GELU(tanh) + the FP8 per-token quantization of the next GEMM's input in one
+    kernel (only with ``fp8``)."""
 
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""

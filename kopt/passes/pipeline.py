@@ -23,10 +23,12 @@ from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
 from kopt.passes.hoist import HoistInvariants, cached_regions
 from kopt.passes.noop import RemoveNoOps
+from kopt.patterns.act_quant import ACT_QUANT
 from kopt.patterns.bias import ABSORB_BIAS
 from kopt.patterns.fp8 import fp8_linear
 from kopt.patterns.gemm_epilogue import GEMM_EPILOGUE
 from kopt.patterns.projections import MERGE_PROJECTIONS
+from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.verify import VerifyOptions, compare
 
 log = logging.getLogger("kopt")
@@ -39,6 +41,9 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV
     ("absorb_bias", lambda c: RewritePass("absorb_bias", [ABSORB_BIAS])),
     ("gemm_epilogue", lambda c: RewritePass("gemm_epilogue", [GEMM_EPILOGUE])),
+    # q/k are views of the merged QKV output here; the quantizers are the fp8 pass's
+    ("fuse_qk_norm_rope", lambda c: RewritePass("fuse_qk_norm_rope", [QK_NORM_ROPE])),
+    ("fuse_act_quant", lambda c: RewritePass("fuse_act_quant", [ACT_QUANT])),
     ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
     ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),
 )

@@ -10,6 +10,7 @@ passes to pull into its producer. Eligibility (sizes, alignment, dtypes) is a gu
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+import kopt.codegen.kernels.fp8_blockwise  # noqa: F401 -- registers the blockwise ops
 import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers kopt::quant_fp8_rowwise
 from kopt.graph import constant_nodes, describe_node, infer_meta, tensor_meta
 from kopt.passes.config import FP8Config
@@ -25,6 +27,10 @@ from kopt.verify import LOCAL_REFERENCE
 
 aten = torch.ops.aten
 QUANT = torch.ops.kopt.quant_fp8_rowwise.default
+QUANT_GROUP = torch.ops.kopt.quant_fp8_group.default
+QUANT_BLOCK = torch.ops.kopt.quant_fp8_block128.default
+BLOCKWISE_MM = torch.ops.kopt.fp8_blockwise_mm.default
+BLOCK = 128
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # torch._scaled_mm needs both GEMM dimensions to be multiples of 16.
 ALIGN = 16
@@ -56,6 +62,8 @@ def _ineligible(x: fx.Node, w: fx.Node, bias: fx.Node | None, consts: set[fx.Nod
     n, k = wv.shape
     if min(n, k) < config.min_features:
         return f"features {k} -> {n} below min_features {config.min_features}"
+    if config.layout == "blockwise" and (k % BLOCK or n % BLOCK):
+        return f"features {k} -> {n} not multiples of {BLOCK} (128x128 weight blocks)"
     if k % ALIGN or n % ALIGN:
         return f"features {k} -> {n} not multiples of {ALIGN} (torch._scaled_mm)"
     if xv.numel() == 0:
@@ -63,13 +71,12 @@ def _ineligible(x: fx.Node, w: fx.Node, bias: fx.Node | None, consts: set[fx.Nod
     return None
 
 
-def to_fp8(gm: fx.GraphModule, match: Match) -> None:
+def to_fp8(gm: fx.GraphModule, match: Match, layout: str = "rowwise") -> None:
     x, w, bias = match.bindings["x"], match.bindings["weight"], match.bindings["bias"]
     node = match.anchor
     g = gm.graph
     xv = tensor_meta(x)
     n, k = tensor_meta(w).shape
-    item = operator.getitem
 
     def call(target, *args, **kwargs) -> fx.Node:  # noqa: ANN001
         out = g.call_function(target, args, kwargs)
@@ -77,14 +84,10 @@ def to_fp8(gm: fx.GraphModule, match: Match) -> None:
         return out
 
     with g.inserting_before(node):
-        wq = call(QUANT, w)  # load time: folded
-        w_t = call(aten.t.default, call(item, wq, 0))  # [K, N], column-major
-        ws_t = call(aten.t.default, call(item, wq, 1))  # [1, N]
-        x2 = call(aten.reshape.default, x, [-1, k])
-        xq = call(QUANT, x2)  # per call: the node fusion passes pull into x's producer
-        y = call(aten._scaled_mm.default, call(item, xq, 0), w_t, call(item, xq, 1), ws_t,
-                 out_dtype=xv.dtype)
-        y = call(aten.reshape.default, y, [*xv.shape[:-1], n])
+        if layout == "blockwise":
+            y = _blockwise(call, x, w, xv, n, k)
+        else:
+            y = _rowwise(call, x, w, xv, n, k)
         if bias is not None:
             y = call(aten.add.Tensor, y, bias)
     y.meta["kopt_from"] = f"fp8({describe_node(node)})"
@@ -92,6 +95,29 @@ def to_fp8(gm: fx.GraphModule, match: Match) -> None:
     y.meta[LOCAL_REFERENCE] = (F.linear, (x.name, w.name, bias.name if bias is not None else None))
     node.replace_all_uses_with(y)
     g.erase_node(node)
+
+
+def _rowwise(call, x: fx.Node, w: fx.Node,  # noqa: ANN001
+             xv: torch.Tensor, n: int, k: int) -> fx.Node:
+    item = operator.getitem
+    wq = call(QUANT, w)  # load time: folded
+    w_t = call(aten.t.default, call(item, wq, 0))  # [K, N], column-major
+    ws_t = call(aten.t.default, call(item, wq, 1))  # [1, N]
+    x2 = call(aten.reshape.default, x, [-1, k])
+    xq = call(QUANT, x2)  # per call: the node fusion passes pull into x's producer
+    y = call(aten._scaled_mm.default, call(item, xq, 0), w_t, call(item, xq, 1), ws_t,
+             out_dtype=xv.dtype)
+    return call(aten.reshape.default, y, [*xv.shape[:-1], n])
+
+
+def _blockwise(call, x: fx.Node, w: fx.Node,  # noqa: ANN001
+               xv: torch.Tensor, n: int, k: int) -> fx.Node:
+    item = operator.getitem
+    wq = call(QUANT_BLOCK, w)  # load time: folded
+    xq = call(QUANT_GROUP, call(aten.reshape.default, x, [-1, k]))  # per call, 1x128 groups
+    y = call(BLOCKWISE_MM, call(item, xq, 0), call(item, xq, 1), call(item, wq, 0),
+             call(item, wq, 1), xv.dtype)
+    return call(aten.reshape.default, y, [*xv.shape[:-1], n])
 
 
 NAME = "fp8_linear"
@@ -105,7 +131,7 @@ def fp8_linear(config: FP8Config) -> StructuralRewrite:
     return StructuralRewrite(
         name=NAME,
         matcher=find_fp8_linears(config),
-        applier=to_fp8,
+        applier=functools.partial(to_fp8, layout=config.layout),
         numerics=bounded("e4m3 operands with per-row scales: each GEMM within 2^-3 relative "
                          "error of its fp64 product", FP8_BOUND),
         benefit=5,

@@ -1,0 +1,288 @@
+"""Activation followed by FP8 e4m3 per-token quantization, fused: ``kopt::act_quant_fp8_rowwise``.
+
+For each row r (token) of the activation's input, with N features:
+
+    a[r, n]  = act(x[r, n], up[r, n])                       (rounded to x's dtype)
+    scale[r] = max(max_n |a[r, n]|, 1e-12) / 448            (fp32)
+    q[r, n]  = e4m3(clamp(a[r, n] / scale[r], -448, 448))  (round to nearest even)
+
+with ``act`` one of
+
+* ``"silu_mul"`` (SwiGLU): silu(x) * up, silu(x) = x / (1 + exp(-x)), the silu rounded to x's
+  dtype before the product; ``x`` (gate) and ``up`` are two tensors or two halves of one merged
+  GEMM output (strided views: no copy).
+* ``"gelu_tanh"``: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+* ``"gelu_erf"``: 0.5 x (1 + erf(x / sqrt(2))).
+
+Outputs: ``q`` [rows, N] e4m3 and ``scale`` [rows, 1] fp32, rows = all leading dims flattened: the
+operands ``torch._scaled_mm`` takes with rowwise scaling, as :mod:`kopt.codegen.kernels.quant_fp8`
+produces them.
+
+Numerics tier: exact. The reference is the unfused graph's own op sequence (``F.silu``, ``*``,
+``F.gelu``, then :func:`quant_fp8_rowwise_reference`), and the kernel repeats torch's CUDA
+kernels step by step: the activation in fp32 with libdevice's expf/tanhf/erff (what torch's
+``::exp``/``tanh``/``::erf`` compile to), IEEE division (``div_rn``), the fma nvcc forms in GELU's
+``x + 0.044715 x^3`` and no other contraction, the activation rounded to x's dtype (torch stores
+it), ``amax * fp32(1/448)`` (torch's CUDA division by a Python scalar multiplies by the
+reciprocal), the quotient by a true division, and the e4m3 cast rounding to nearest even.
+
+``NATIVE`` (the kernel compiled for the GPU) is False under ``TRITON_INTERPRET=1``: there is no
+libdevice there (numpy's exp/erf instead; tanh from exp, see :func:`_tanh`), and its casts
+truncate, so the e4m3 cast is emulated on the grid (see :func:`_to_e4m3`) and bf16 rounding on
+the bits (:func:`round_to`); ``amax / 448`` divides there, as torch's CPU kernel does. The math
+functions still differ from torch's CPU ones in the last bit: CPU tests compare with tolerance,
+GPU tests bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kopt.codegen import fp64_reference
+from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
+from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, MIN_AMAX, quant_fp8_rowwise_reference
+
+ACTIVATIONS = ("silu_mul", "gelu_tanh", "gelu_erf")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# torch's GELU constants, built like ATen's ``constexpr opmath_t``: double arithmetic, then fp32.
+_M_SQRT2, _M_2_SQRTPI, _M_SQRT1_2 = 1.41421356237309504880, 1.12837916709551257390, \
+    0.70710678118654752440
+_K_BETA = tl.constexpr(float(np.float32(_M_SQRT2 * _M_2_SQRTPI * 0.5)))
+_K_KAPPA = tl.constexpr(float(np.float32(0.044715)))
+_K_ALPHA = tl.constexpr(float(np.float32(_M_SQRT1_2)))
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_MIN_AMAX = tl.constexpr(float(np.float32(MIN_AMAX)))
+# fp32(1 / 448): the reciprocal torch multiplies by for ``amax / 448`` on CUDA.
+_INV_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))
+# Rows up to this many features are held in registers in one pass; longer rows take two passes
+# over their input (amax, then quantize), the second mostly from L2.
+_ONE_PASS_MAX = 8192
+_CHUNK = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference: the unfused graph's ops
+# --------------------------------------------------------------------------------------------
+def activation_reference(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
+    if activation == "silu_mul":
+        return F.silu(x) * up
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.gelu(x)
+
+
+def act_quant_reference(x: torch.Tensor, up: torch.Tensor | None,
+                        activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    a = activation_reference(x, up, activation)
+    return quant_fp8_rowwise_reference(a.reshape(-1, a.shape[-1]))
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x, NATIVE: tl.constexpr):
+    if NATIVE:
+        return libdevice.tanh(x)
+    else:
+        # The interpreter has no libdevice: tanh|x| = (1 - e) / (1 + e) with e = exp(-2|x|) in
+        # (0, 1], which cannot overflow for any x; the sign is put back after.
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _exp(x, NATIVE: tl.constexpr):
+    # tl.exp is ex2.approx on NVIDIA; torch's ::exp(float) is libdevice's expf.
+    if NATIVE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _erf(x, NATIVE: tl.constexpr):
+    if NATIVE:
+        return libdevice.erf(x)
+    else:
+        return tl.math.erf(x)
+
+
+@triton.jit
+def _to_e4m3(v, dt: tl.constexpr, NATIVE: tl.constexpr):
+    if NATIVE:
+        return v.to(dt, fp_downcast_rounding="rtne")  # like torch's cast: nearest even
+    else:
+        # The interpreter's cast truncates and does not carry a rounded-up mantissa into the
+        # exponent (124 -> 64): round to the e4m3 grid first (step 2^(exponent - 3), 2^-9 among
+        # subnormals; adding and subtracting 1.5 * 2^23 * step rounds to nearest even), so that
+        # the cast is exact.
+        bits = v.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        step = ((exponent + 124) << 23).to(tl.float32, bitcast=True)
+        magic = step * 12582912.0
+        r = (tl.abs(v) + magic) - magic
+        return tl.where(bits < 0, -r, r).to(dt)
+
+
+@triton.jit
+def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.constexpr,
+                NATIVE: tl.constexpr):
+    """The activation of one chunk of a row, in fp32, rounded to ``dt`` as torch stores it."""
+    x = tl.load(x_row + cols * sxn, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        silu = round_to(tl.math.div_rn(x, 1.0 + _exp(-x, NATIVE)), dt, NATIVE)
+        up = tl.load(u_row + cols * sun, mask=mask, other=0.0).to(tl.float32)
+        a = silu * up
+    elif ACT == 1:
+        # nvcc contracts torch's ``x + kKappa * x_cube`` into one fma, and nothing else.
+        inner = _K_BETA * tl.fma(x * x * x, _K_KAPPA, x)
+        a = 0.5 * x * (1.0 + _tanh(inner, NATIVE))
+    else:
+        a = x * 0.5 * (1.0 + _erf(x * _K_ALPHA, NATIVE))
+    return round_to(a, dt, NATIVE)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, u_ptr, q_ptr, scale_ptr,
+    R2, N, sx0, sx1, sxn, su0, su1, sun, inv_max,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """One program per row: the activation, its absolute maximum, the scale and the e4m3
+    values. See the module docstring for the math."""
+    row = tl.program_id(0).to(tl.int64)
+    r1 = row // R2
+    r2 = row % R2
+    x_row = x_ptr + r1 * sx0 + r2 * sx1
+    u_row = u_ptr + r1 * su0 + r2 * su1
+    q_row = q_ptr + row * N
+    dt = x_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = cols < N
+        a = _activation(x_row, u_row, cols, mask, sxn, sun, dt, ACT, NATIVE)
+        amax = tl.max(tl.where(mask, tl.abs(a), 0.0), axis=0)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(a), 0.0))
+        amax = tl.max(amax, axis=0)
+    if NATIVE:  # torch's CUDA kernel multiplies by the fp32 reciprocal of the Python scalar
+        scale = tl.maximum(amax, _MIN_AMAX) * inv_max
+    else:  # its CPU kernel, which the interpreter stands in for, divides
+        scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), tl.full((), _E4M3_MAX, tl.float32))
+    tl.store(scale_ptr + row, scale)
+    if ONE_PASS:
+        q = tl.clamp(tl.math.div_rn(a, scale), -_E4M3_MAX, _E4M3_MAX)
+        tl.store(q_row + cols, _to_e4m3(q, q_ptr.dtype.element_ty, NATIVE), mask=mask)
+    else:
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
+            q = tl.clamp(tl.math.div_rn(a, scale), -_E4M3_MAX, _E4M3_MAX)
+            tl.store(q_row + start + cols, _to_e4m3(q, q_ptr.dtype.element_ty, NATIVE),
+                     mask=mask)
+
+
+def _config(n: int) -> dict[str, int]:
+    """Whole row in one block up to _ONE_PASS_MAX features, else _CHUNK-wide chunks."""
+    block = triton.next_power_of_2(n)
+    if block <= _ONE_PASS_MAX:
+        return {"BLOCK": block, "ONE_PASS": True, "num_warps": max(1, min(16, block // 512))}
+    return {"BLOCK": _CHUNK, "ONE_PASS": False, "num_warps": 8}
+
+
+def check_args(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if (activation == "silu_mul") != (up is not None):
+        raise ValueError("'silu_mul' takes gate and up; the GELUs take one input")
+    if x.dim() < 1:
+        raise ValueError("the activation needs a feature dimension")
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        raise ValueError(f"gate {x.dtype}{list(x.shape)} and up {up.dtype}{list(up.shape)} "
+                         "must match (no broadcasting)")
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    """[R1, R2, N] with the rows' strides kept (a view where the leading dims allow it)."""
+    if t.dim() == 3:
+        return t
+    if t.dim() < 3:
+        return t.reshape((1,) * (3 - t.dim()) + tuple(t.shape))
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None,
+                     activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``)."""
+    check_args(x, up, activation)
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {x.dtype}")
+    n = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    q = torch.empty((rows, n), dtype=E4M3, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    x3 = _as_3d(x)
+    u3 = _as_3d(up) if up is not None else x3
+    cfg = _config(n)
+    with on_device(x):
+        _act_quant_kernel[(rows,)](
+            x3, u3, q, scale, x3.shape[1], n, *x3.stride(), *u3.stride(), _INV_E4M3_MAX,
+            ACT=ACTIVATIONS.index(activation), BLOCK=cfg["BLOCK"], ONE_PASS=cfg["ONE_PASS"],
+            NATIVE=native(_act_quant_kernel, x), num_warps=cfg["num_warps"],
+            # Contractions are written out (tl.fma) where torch's build has them; none else.
+            enable_fp_fusion=False,
+        )
+    return q, scale
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("kopt::act_quant_fp8_rowwise", mutates_args=())
+def act_quant_fp8_rowwise(x: torch.Tensor, up: torch.Tensor | None,
+                          activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    check_args(x, up, activation)
+    return act_quant_reference(x, up, activation)
+
+
+@act_quant_fp8_rowwise.register_kernel("cuda")
+def _(x: torch.Tensor, up: torch.Tensor | None,
+      activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype in KERNEL_DTYPES:
+        return act_quant_triton(x, up, activation)
+    check_args(x, up, activation)  # fp64 (verification's reference run): the reference
+    return act_quant_reference(x, up, activation)
+
+
+@act_quant_fp8_rowwise.register_fake
+def _(x: torch.Tensor, up: torch.Tensor | None,
+      activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    check_args(x, up, activation)
+    n = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    return (torch.empty((rows, n), dtype=E4M3, device=x.device),
+            torch.empty((rows, 1), dtype=torch.float32, device=x.device))
+
+
+@fp64_reference(torch.ops.kopt.act_quant_fp8_rowwise.default)
+def _act_quant64(x: torch.Tensor, up: torch.Tensor | None,
+                 activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # The activation in fp64, then the quantizer as the unfused graph's fp64 run applies it
+    # (kopt::quant_fp8_rowwise quantizes whatever it is given): the same yardstick.
+    return act_quant_reference(x, up, activation)

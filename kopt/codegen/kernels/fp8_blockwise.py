@@ -1,0 +1,96 @@
+"""Blockwise FP8: weights in 128x128 blocks, activations in 1x128 groups (DeepSeek-V3's recipe).
+
+    sw[i, j] = max |W[128i:128i+128, 128j:128j+128]| / 448     (fp32, one per weight block)
+    qw       = e4m3(W / sw)                                      (scale broadcast over its block)
+    y        = sum_j (qa[:, Kj] @ qw[:, Kj].T) * sa[:, j] * sw[:, j].T   (Kj: the j-th 128 of K)
+
+A block scale follows local magnitudes more closely than one scale per row, at the cost of a
+GEMM that applies a scale per K-block. ``kopt::quant_fp8_block128`` quantizes a weight (at load:
+it depends on a parameter only, so the folding pass evaluates it once);
+``kopt::quant_fp8_group`` (:mod:`kopt.codegen.kernels.quant_fp8`) the activations per call, with
+the scales ``[M, K/128]`` column-major. ``kopt::fp8_blockwise_mm`` is the GEMM: on CUDA
+``torch.nn.functional.scaled_mm`` with the BlockWise1x128 x BlockWise128x128 recipe (which wants
+exactly these scale layouts, probed on the H200: benchmarks/probes/blockwise_scaled_mm.py); on
+the CPU, where torch has no blockwise FP8 GEMM, the exact product of the dequantized operands
+rounded once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kopt.codegen import fp64_reference
+from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, MIN_AMAX
+
+BLOCK = 128
+
+
+def quant_fp8_block128_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: q [N, K] e4m3, scale [N/128, K/128] fp32; N and K multiples of 128."""
+    n, k = w.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"blockwise FP8 needs both weight dims to be multiples of {BLOCK}, "
+                         f"got {n} x {k}")
+    blocks = w.float().reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=MIN_AMAX)
+    scale = amax / E4M3_MAX
+    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(n, k)
+    return q, scale.reshape(n // BLOCK, k // BLOCK)
+
+
+@torch.library.custom_op("kopt::quant_fp8_block128", mutates_args=())
+def quant_fp8_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant_fp8_block128_reference(w)
+
+
+@quant_fp8_block128.register_fake
+def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    return (torch.empty((n, k), dtype=E4M3, device=w.device),
+            torch.empty((n // BLOCK, k // BLOCK), dtype=torch.float32, device=w.device))
+
+
+def _dequant(q: torch.Tensor, scale: torch.Tensor, rows_per_scale: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    s = scale.to(dtype).repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
+    if rows_per_scale > 1:
+        s = s.repeat_interleave(rows_per_scale, dim=0)[: q.shape[0]]
+    return q.to(dtype) * s
+
+
+def blockwise_mm_exact(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                       scale_w: torch.Tensor) -> torch.Tensor:
+    """The exact product in fp64 (each dequantized operand is exact in fp64; so are the sums
+    for any K that fits in memory)."""
+    return _dequant(a, scale_a, 1, torch.float64) @ _dequant(w, scale_w, BLOCK,
+                                                             torch.float64).t()
+
+
+@torch.library.custom_op("kopt::fp8_blockwise_mm", mutates_args=())
+def fp8_blockwise_mm(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                     scale_w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a`` [M, K] e4m3 with ``scale_a`` [M, K/128]; ``w`` [N, K] e4m3 with ``scale_w``
+    [N/128, K/128]; result [M, N] in ``out_dtype``."""
+    return blockwise_mm_exact(a, scale_a, w, scale_w).to(out_dtype)
+
+
+@fp8_blockwise_mm.register_kernel("cuda")
+def _(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    if scale_a.stride() != (1, a.shape[0]):  # the layout the library kernel checks for
+        scale_a = scale_a.t().contiguous().t()
+    return F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, scale_w.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
+@fp8_blockwise_mm.register_fake
+def _(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((a.shape[0], w.shape[0]), dtype=out_dtype, device=a.device)
+
+
+@fp64_reference(torch.ops.kopt.fp8_blockwise_mm.default)
+def _(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return blockwise_mm_exact(a, scale_a, w, scale_w)

@@ -1,0 +1,61 @@
+"""FP8 blockwise layout: 128x128 weight blocks (quantized at load) x 1x128 activation groups.
+Fires where features are multiples of 128, says why not elsewhere; each site within the FP8
+bound of its fp64 linear; the block quantizer and the GEMM's CPU path against direct math."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kopt
+from kopt.codegen.kernels.fp8_blockwise import (
+    blockwise_mm_exact,
+    quant_fp8_block128_reference,
+)
+from kopt.codegen.kernels.quant_fp8 import E4M3_MAX, quant_fp8_group_reference
+
+BLOCKWISE = kopt.PassConfig(fp8=kopt.FP8Config(layout="blockwise", min_features=16))
+
+
+def test_block_quantizer_scales_each_128x128_block_by_its_own_amax() -> None:
+    w = torch.randn(256, 384)
+    w[:128, 128:256] *= 100  # one loud block must not coarsen its neighbours
+    q, s = quant_fp8_block128_reference(w)
+    assert q.shape == w.shape and s.shape == (2, 3)
+    assert torch.equal(s[0, 1], w[:128, 128:256].abs().max() / E4M3_MAX)
+    assert torch.equal(s[1, 0], w[128:, :128].abs().max() / E4M3_MAX)
+    deq = q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert ((deq - w).abs() <= w.abs() * 2**-4 + s.max() * 2**-9).all()
+
+
+def test_blockwise_gemm_cpu_path_is_the_rounded_exact_product() -> None:
+    x, w = torch.randn(5, 256), torch.randn(128, 256)
+    qx, sx = quant_fp8_group_reference(x)
+    qw, sw = quant_fp8_block128_reference(w)
+    got = torch.ops.kopt.fp8_blockwise_mm(qx, sx, qw, sw, torch.bfloat16)
+    exact = blockwise_mm_exact(qx, sx, qw, sw)
+    assert torch.equal(got, exact.to(torch.bfloat16))
+    rel = (exact - x.double() @ w.double().t()).norm() / (x.double() @ w.double().t()).norm()
+    assert 0 < rel < 2**-4
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(256, 384)
+        self.odd = nn.Linear(384, 200)  # 200 is not a multiple of 128
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.odd(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_blockwise_fires_where_features_are_multiples_of_128() -> None:
+    opt = kopt.optimize(_MLP().eval(), (torch.randn(3, 7, 256),), config=BLOCKWISE)
+    fp8 = opt.report.result("fp8")
+    assert fp8.matched == 1 and fp8.verdict.passed and fp8.verdict.tier == "bounded"
+    assert fp8.rejected == {"features 384 -> 200 not multiples of 128 (128x128 weight blocks)": 1}
+    targets = [n.target for n in opt.graph_module.graph.nodes]
+    assert torch.ops.kopt.fp8_blockwise_mm.default in targets
+    assert torch.ops.kopt.quant_fp8_group.default in targets
+    # the weight quantization was folded: no block quantizer runs per call
+    assert torch.ops.kopt.quant_fp8_block128.default not in targets

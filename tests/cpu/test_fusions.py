@@ -1,0 +1,288 @@
+"""fuse_qk_norm_rope and fuse_act_quant: they fire on the three tiny reference models (exact match
+counts, the ops they remove gone, the fused ops present), not on near misses (with the reason),
+and the rewritten graph computes the same function at the declared tier."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import kopt
+from kopt.capture import flatten_inputs
+from kopt.graph import copy_graph_module
+from kopt.models import build
+from kopt.passes.base import PassResult, RewritePass
+from kopt.patterns.act_quant import ACT_QUANT
+from kopt.patterns.core import Rewrite, exact
+from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
+from kopt.verify import VerifyOptions, compare
+
+aten = torch.ops.aten
+QK = torch.ops.kopt.qk_norm_rope.default
+ACT = torch.ops.kopt.act_quant_fp8_rowwise.default
+QUANT = torch.ops.kopt.quant_fp8_rowwise.default
+# the graphs these rewrites start from: the default passes with FP8, without the fusions
+FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16), fuse_qk_norm_rope=False,
+                      fuse_act_quant=False)
+MODELS = ("qwen-image-tiny", "flux2-tiny", "llm-tiny")
+
+
+@functools.cache
+def _optimized(name: str, dtype: torch.dtype) -> tuple[fx.GraphModule, tuple]:
+    """The tiny model after kopt's default passes with FP8 on (verification off: the tests
+    verify), and its flat example inputs."""
+    w = build(name, dtype=dtype)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8, verify=VerifyOptions(enabled=False))
+    return opt.graph_module, tuple(flatten_inputs(w.args, w.kwargs)[0])
+
+
+def _module_graph(model: nn.Module, *args: torch.Tensor) -> tuple[fx.GraphModule, tuple]:
+    opt = kopt.optimize(model.eval(), args, config=FP8, verify=VerifyOptions(enabled=False))
+    return opt.graph_module, args
+
+
+def _rewrite(gm: fx.GraphModule, rewrite: Rewrite) -> tuple[fx.GraphModule, PassResult]:
+    after = copy_graph_module(gm)
+    return after, RewritePass(rewrite.name, [rewrite]).run(after)
+
+
+def _count(gm: fx.GraphModule, *targets: object) -> int:
+    return sum(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
+
+
+def _verifies(before: fx.GraphModule, after: fx.GraphModule, inputs: tuple,
+              rewrite: Rewrite) -> None:
+    """The rewritten graph against the original on fresh random inputs, at the declared tier."""
+    verdict = compare(before, after, list(inputs), rewrite.numerics, VerifyOptions(seeds=(1,)))
+    assert verdict.passed, verdict
+
+
+# -- QK-norm + RoPE on the reference models ----------------------------------------------------
+# sites: one per attention; q/k segments per site (text ++ image in double-stream blocks)
+QK_SITES = {"qwen-image-tiny": 2, "flux2-tiny": 4, "llm-tiny": 2}
+QK_DETAIL = {"qwen-image-tiny": "cast + complex RoPE, q 2 / k 2 heads x 32, tokens 10+48",
+             "flux2-tiny": "rms_norm + pairs RoPE, q 2 / k 2 heads x 32, tokens 12+48",
+             "llm-tiny": "cast + half RoPE, q 4 / k 2 heads x 16, tokens 20"}
+# rsqrt of the hand-written norms (2 segments x q/k x 2 blocks for Qwen-Image, q/k x 2 layers for
+# Qwen3; FLUX.2 uses aten.rms_norm) and the concatenations (text ++ image of q and k, or
+# rotate-half's cat(-x2, x1))
+RSQRT_REMOVED = {"qwen-image-tiny": 8, "flux2-tiny": 0, "llm-tiny": 4}
+CAT_REMOVED = {"qwen-image-tiny": 4, "flux2-tiny": 4, "llm-tiny": 4}
+ROPE_OPS = (aten.rms_norm.default, aten.view_as_complex.default, aten.type_as.default,
+            aten.unbind.int, aten.stack.default, aten.neg.default)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", MODELS)
+def test_qk_norm_rope_fires_on_the_reference_models(name: str, dtype: torch.dtype) -> None:
+    gm, inputs = _optimized(name, dtype)
+    after, result = _rewrite(gm, QK_NORM_ROPE)
+    assert result.matched == QK_SITES[name] and result.rejected == {}
+    assert _count(after, QK) == QK_SITES[name]
+    assert _count(after, *ROPE_OPS) == 0
+    assert _count(after, aten.rsqrt.default) == _count(gm, aten.rsqrt.default) - RSQRT_REMOVED[name]
+    assert _count(after, aten.cat.default) == _count(gm, aten.cat.default) - CAT_REMOVED[name]
+    assert QK_DETAIL[name] in result.details[0]
+    _verifies(gm, after, inputs, QK_NORM_ROPE)
+    # on the CPU the op runs the models' own op sequence: bitwise equal, not only within tier
+    verdict = compare(gm, after, list(inputs), exact("CPU reference"), VerifyOptions(seeds=(0,)))
+    assert verdict.passed, verdict
+
+
+def test_qk_norm_rope_fires_in_llm_decode_through_the_kv_cache() -> None:
+    # decode: the new token's k reaches attention through index_copy into the static cache
+    w = build("llm-tiny", dtype=torch.bfloat16, mode="decode", batch=3)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8.replace(fp8=None),
+                        verify=VerifyOptions(enabled=False))
+    gm, inputs = opt.graph_module, tuple(flatten_inputs(w.args, w.kwargs)[0])
+    assert _count(gm, aten.index_copy.default) == 4
+    after, result = _rewrite(gm, QK_NORM_ROPE)
+    assert result.matched == 2 and _count(after, aten.index_copy.default) == 4
+    _verifies(gm, after, inputs, QK_NORM_ROPE)
+
+
+def test_qk_norm_rope_leaves_attention_without_norm_or_rope_alone() -> None:
+    # FLUX.2's value path is a concatenation of plain views: every SDPA's q and k fuse, nothing
+    # else is touched (v's concatenation stays, and no site is counted as rejected).
+    gm, _ = _optimized("flux2-tiny", torch.bfloat16)
+    after, result = _rewrite(gm, QK_NORM_ROPE)
+    assert not result.rejections
+    sdpa = [n for n in after.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert all(n.args[0].args[0].args[0].target is QK for n in sdpa)
+
+
+# -- activation + FP8 quantization on the reference models ------------------------------------
+# Qwen-Image: GELU(tanh) in img_mlp/txt_mlp of 2 blocks, but the last block's text MLP feeds
+# nothing and is gone; FLUX.2: SwiGLU in ff/ff_context of 2 double blocks (the single blocks
+# quantize cat(attention, swiglu)); Qwen3: SwiGLU in 2 layers.
+ACT_SITES = {"qwen-image-tiny": 3, "flux2-tiny": 4, "llm-tiny": 2}
+ACTIVATIONS_LEFT = {"qwen-image-tiny": 0, "flux2-tiny": 2, "llm-tiny": 0}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_act_quant_fires_on_the_reference_models(name: str) -> None:
+    gm, inputs = _optimized(name, torch.bfloat16)
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == ACT_SITES[name] and result.rejected == {}
+    assert _count(after, ACT) == ACT_SITES[name]
+    assert _count(after, QUANT) == _count(gm, QUANT) - ACT_SITES[name]
+    assert _count(after, aten.silu.default, aten.gelu.default) == ACTIVATIONS_LEFT[name]
+    kinds = {n.args[2] for n in after.graph.nodes if n.target is ACT}
+    assert kinds == ({"gelu_tanh"} if name == "qwen-image-tiny" else {"silu_mul"})
+    assert all(("mlp" in d or ".ff" in d) for d in result.details), result.details
+    _verifies(gm, after, inputs, ACT_QUANT)
+
+
+def test_act_quant_says_why_flux2_single_blocks_stay() -> None:
+    gm, _ = _optimized("flux2-tiny", torch.bfloat16)
+    _, result = _rewrite(gm, ACT_QUANT)
+    cats = [r for r in result.rejections if "comes from aten.cat" in r.reason]
+    assert len(cats) == 2 and all(r.near_miss for r in cats)
+
+
+# -- near misses: small modules ----------------------------------------------------------------
+class Attention(nn.Module):
+    """Qwen3-style attention: q/k RMSNorm per head (hand-written), transpose, rotate-half RoPE,
+    SDPA. The flags turn it into near misses."""
+
+    def __init__(self, *, heads: int = 2, head_dim: int = 16, seq: int = 6,
+                 dtype: torch.dtype = torch.float32, norm_dim: int = -1, tap_norm: bool = False,
+                 cast_tables: bool = True, k_angle: float = 1.0) -> None:
+        super().__init__()
+        dim = heads * head_dim
+        self.heads, self.head_dim, self.norm_dim = heads, head_dim, norm_dim
+        self.tap_norm, self.cast_tables = tap_norm, cast_tables
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False, dtype=dtype)
+        self.q_norm = nn.Parameter(1 + 0.1 * torch.randn(head_dim, dtype=dtype))
+        self.k_norm = nn.Parameter(1 + 0.1 * torch.randn(head_dim, dtype=dtype))
+        freqs = torch.logspace(0, -2, head_dim // 2)
+        angle = torch.arange(seq)[:, None] * freqs[None]
+        angle = torch.cat([angle, angle], -1)  # fp32 tables
+        self.register_buffer("cos", angle.cos())
+        self.register_buffer("sin", angle.sin())
+        self.k_tables = ("cos", "sin")
+        if k_angle != 1.0:  # k rotated by other angles than q
+            self.register_buffer("k_cos", (angle * k_angle).cos())
+            self.register_buffer("k_sin", (angle * k_angle).sin())
+            self.k_tables = ("k_cos", "k_sin")
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(self.norm_dim, keepdim=True) + 1e-6)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.cast_tables:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, self.head_dim) for t in self.qkv(x).split(d, -1))
+        qn, kn = self._rms(q, self.q_norm), self._rms(k, self.k_norm)
+        q = self._rope(qn.transpose(1, 2), self.cos, self.sin)
+        k = self._rope(kn.transpose(1, 2), *(getattr(self, t) for t in self.k_tables))
+        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2).to(q.dtype))
+        o = o.transpose(1, 2).reshape(b, s, -1)
+        return (o, qn) if self.tap_norm else o
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_fires_on_a_plain_attention(dtype: torch.dtype) -> None:
+    gm, inputs = _module_graph(Attention(dtype=dtype), torch.randn(2, 6, 32, dtype=dtype))
+    after, result = _rewrite(gm, QK_NORM_ROPE)
+    assert result.matched == 1 and _count(after, QK) == 1
+    _verifies(gm, after, inputs, QK_NORM_ROPE)
+
+
+@pytest.mark.parametrize(("flags", "reason", "near_miss"), [
+    (dict(tap_norm=True), "is also used by output outside the norm + RoPE", False),
+    (dict(norm_dim=2), "takes the RMS over dim [2], not the last (head) dim", True),
+    (dict(cast_tables=False, dtype=torch.bfloat16),
+     "q's RoPE result is torch.float32, not torch.bfloat16 (no cast back)", False),
+    (dict(k_angle=2.0), "q and k use different rotary tables", False),
+], ids=["extra-user", "norm-over-heads", "no-cast-back", "other-k-tables"])
+def test_qk_norm_rope_near_misses_say_why(flags: dict, reason: str, near_miss: bool) -> None:
+    dtype = flags.get("dtype", torch.float32)
+    gm, _ = _module_graph(Attention(**flags), torch.randn(2, 6, 32, dtype=dtype))
+    after, result = _rewrite(gm, QK_NORM_ROPE)
+    assert result.matched == 0 and _count(after, QK) == 0
+    assert len(result.rejections) == 1
+    rejection = result.rejections[0]
+    assert reason in rejection.reason and rejection.near_miss == near_miss
+
+
+class MLP(nn.Module):
+    """An MLP whose activation feeds an FP8 linear; the flags turn it into near misses."""
+
+    def __init__(self, *, act: str = "swiglu", dim: int = 32, hidden: int = 64,
+                 dtype: torch.dtype = torch.bfloat16, tap: bool = False,
+                 broadcast_up: bool = False, up_fp32: bool = False) -> None:
+        super().__init__()
+        self.act, self.tap, self.broadcast_up, self.up_fp32 = act, tap, broadcast_up, up_fp32
+        width = 2 * hidden if act == "swiglu" else hidden
+        self.up = nn.Linear(dim, width, bias=False, dtype=dtype)
+        self.down = nn.Linear(hidden, dim, bias=False,
+                              dtype=torch.float32 if up_fp32 else dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        h = self.up(x)
+        if self.act == "swiglu":
+            gate, up = h.chunk(2, -1)
+            if self.broadcast_up:
+                up = up.mean(-1, keepdim=True)
+            if self.up_fp32:
+                up = up.float()
+            a = F.silu(gate) * up
+        else:
+            a = F.gelu(h, approximate="tanh" if self.act == "gelu_tanh" else "none")
+        y = self.down(a)
+        return (y, a) if self.tap else y
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu_tanh"])  # GELU(erf): see the last test
+def test_act_quant_fires_on_an_mlp(act: str) -> None:
+    gm, inputs = _module_graph(MLP(act=act), torch.randn(2, 5, 32, dtype=torch.bfloat16))
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == 1 and _count(after, ACT) == 1
+    assert _count(after, aten.silu.default, aten.gelu.default) == 0
+    _verifies(gm, after, inputs, ACT_QUANT)
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (dict(tap=True), "is also used by output: the unfused value is still needed"),
+    (dict(broadcast_up=True), "differ in shape (broadcast)"),
+    (dict(up_fp32=True), "gate torch.bfloat16 and up torch.float32 differ in dtype"),
+], ids=["extra-user", "broadcast-up", "dtype-mismatch"])
+def test_act_quant_near_misses_say_why(flags: dict, reason: str) -> None:
+    gm, _ = _module_graph(MLP(**flags), torch.randn(2, 5, 32, dtype=torch.bfloat16))
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == 0 and _count(after, ACT) == 0
+    [(said, count)] = result.rejected.items()
+    assert reason in said and count == 1
+
+
+def test_gelu_erf_is_not_fused_and_says_why() -> None:
+    """GELU(erf)+quant would not be bitwise on the GPU (Triton's erf vs CUDA's erff, measured):
+    the exact rewrite leaves it, with the reason."""
+    import kopt
+
+    class ErfMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.nn.functional.gelu(self.up(x)))
+
+    opt = kopt.optimize(ErfMLP().eval(), (torch.randn(4, 32),),
+                        config=kopt.PassConfig(fp8=kopt.FP8Config(min_features=16)))
+    result = opt.report.result("fuse_act_quant")
+    assert result.matched == 0
+    assert result.rejected == {
+        "GELU(erf) is not bitwise in the fused kernel (erf differs in the last bit)": 1}

@@ -1,0 +1,110 @@
+"""kopt::act_quant_fp8_rowwise: the Triton kernel (interpreted on machines without a GPU) against
+the reference (the activation, then the torch reference quantizer) on small awkward shapes, and
+the op's contract. The interpreter upcasts bf16 math and does not round fp8 casts like the GPU,
+so values are compared with tolerance here and bitwise in tests/gpu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kopt.codegen.kernels.act_quant import (
+    act_quant_fp8_rowwise,
+    act_quant_reference,
+    act_quant_triton,
+    activation_reference,
+)
+from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu(-100)
+
+# Relative scale tolerance: the interpreter's exp/erf/tanh differ from torch's CPU ones in the
+# last bit, which can move the row maximum's rounding by one step (2^-8 relative in bf16).
+SCALE_RTOL = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7}
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, activation: str,
+            seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gate and up as the two halves of one merged GEMM output (strided views), values over
+    several orders of magnitude so that rows have different scales."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, n = shape
+    rows = torch.logspace(-2, 2, int(torch.tensor(lead).prod()) if lead else 1)
+    merged = torch.randn(*lead, 2 * n, generator=g) * rows.reshape(*lead, 1)
+    merged = merged.to(dtype)
+    gate, up = merged[..., :n], merged[..., n:]
+    return gate, up if activation == "silu_mul" else None
+
+
+def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+           dtype: torch.dtype) -> None:
+    (q, s), (q_ref, s_ref) = got, want
+    assert q.dtype == E4M3 and q.shape == q_ref.shape and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    torch.testing.assert_close(s, s_ref, rtol=SCALE_RTOL[dtype], atol=0)
+    # within one e4m3 step (2^-3 relative; 2^-9 absolute among subnormals) of the reference,
+    # after the scale difference
+    qf, rf = q.float(), q_ref.float()
+    step = 2.0**-3 * rf.abs() + 2.0**-9
+    assert ((qf - rf).abs() <= step + SCALE_RTOL[dtype] * rf.abs() * 2).all()
+    # the interpreter's exp/erf/tanh differ from torch's in the last bit, nothing else does:
+    # all but a few values are bitwise the reference's (a misplaced rounding would move many)
+    same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+    assert same >= 0.99, same
+    # the row's largest value maps to e4m3's largest
+    nonzero = s_ref.squeeze(-1) > 1e-12 / E4M3_MAX
+    assert (qf.abs().amax(-1)[nonzero] == E4M3_MAX).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("shape", [(1, 16), (7, 40), (3, 5, 129), (2, 9000)],
+                         ids=["one-row", "odd-rows", "3d-odd-features", "two-pass"])
+def test_triton_matches_the_reference(shape: tuple[int, ...], activation: str,
+                                      dtype: torch.dtype) -> None:
+    gate, up = _inputs(shape, dtype, activation)
+    _check(act_quant_triton(gate, up, activation), act_quant_reference(gate, up, activation),
+           dtype)
+
+
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf"])
+def test_activation_in_the_kernel_is_the_activation(activation: str) -> None:
+    """Dequantized kernel output vs the fp64 activation: within fp8's 2^-4 rounding (e4m3 keeps
+    3 mantissa bits), including the tanh the interpreter computes from exp, for large |x|."""
+    x = torch.linspace(-12, 12, 997, dtype=torch.float64).reshape(1, -1)
+    up = torch.linspace(2, -1, 997, dtype=torch.float64).reshape(1, -1)
+    up = up if activation == "silu_mul" else None
+    q, s = act_quant_triton(x.float(), None if up is None else up.float(), activation)
+    want = activation_reference(x, up, activation)
+    err = (q.double() * s.double() - want).abs()
+    assert (err <= 2.0**-4 * want.abs() + s.double() * 2.0**-9).all()
+
+
+def test_zero_rows_stay_finite() -> None:
+    x = torch.zeros(3, 64)
+    x[1] = torch.randn(64)
+    q, s = act_quant_triton(x, torch.ones_like(x), "silu_mul")
+    assert torch.isfinite(s).all() and not q[0].float().any() and not q[2].float().any()
+    q, s = act_quant_triton(torch.zeros(0, 64), None, "gelu_tanh")
+    assert q.shape == (0, 64) and s.shape == (0, 1)
+
+
+def test_op_contract() -> None:
+    gate, up = _inputs((2, 5, 48), torch.bfloat16, "silu_mul")
+    torch.library.opcheck(act_quant_fp8_rowwise, (gate, up, "silu_mul"))
+    torch.library.opcheck(act_quant_fp8_rowwise, (gate, None, "gelu_tanh"))
+    q, s = torch.ops.kopt.act_quant_fp8_rowwise(gate, up, "silu_mul")
+    assert q.shape == (10, 48) and s.shape == (10, 1)
+    # on the CPU the op is the reference: the unfused ops, bitwise
+    q_ref, s_ref = act_quant_reference(gate, up, "silu_mul")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def test_rejects_what_it_cannot_compute() -> None:
+    gate, up = _inputs((4, 32), torch.float32, "silu_mul")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        act_quant_triton(gate, up, "relu")
+    with pytest.raises(ValueError, match="takes gate and up"):
+        act_quant_triton(gate, None, "silu_mul")
+    with pytest.raises(ValueError, match="no broadcasting"):
+        act_quant_triton(gate, up[:, :1], "silu_mul")

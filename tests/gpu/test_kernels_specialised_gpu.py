@@ -1,0 +1,140 @@
+"""Specialised kernels on CUDA at the W1/W2/W3 shapes (benchmarks/kernels_specialised.py's cases):
+
+* ``kopt::act_quant_fp8_rowwise`` (exact tier): e4m3 values and scales bitwise equal to the
+  unfused ops (activation, then the torch reference quantizer) on the GPU;
+* ``kopt::qk_norm_rope`` (tolerance tier): within 2x the unfused ops' own error against the fp64
+  math (or 2x bf16's floor); the share of bitwise-equal elements is printed;
+* both custom ops dispatch to the Triton kernels on CUDA and replay in a CUDA graph;
+* the two rewrites applied to the tiny reference models on CUDA verify at their tiers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kopt
+from benchmarks.kernels_specialised import ACT_CASES, QK_CASES, act_inputs, qk_inputs
+from kopt.capture import flatten_inputs
+from kopt.codegen.kernels.act_quant import act_quant_reference, act_quant_triton
+from kopt.codegen.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
+from kopt.graph import copy_graph_module
+from kopt.models import build
+from kopt.passes.base import RewritePass
+from kopt.patterns.act_quant import ACT_QUANT
+from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
+from kopt.verify import RTOL_FLOOR, VerifyOptions, compare, relative_error
+
+pytestmark = pytest.mark.gpu
+FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _bitwise(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None if bitwise equal, else how they differ."""
+    g, w = _bits(got), _bits(want)
+    if torch.equal(g, w):
+        return None
+    differ = (g != w).sum().item()
+    diff = (got.float() - want.float()).abs().max().item()
+    return f"{differ} of {got.numel()} elements differ (max abs diff {diff:.3g})"
+
+
+def _check_act_quant(q: torch.Tensor, scale: torch.Tensor, q_ref: torch.Tensor,
+                     scale_ref: torch.Tensor, activation: str) -> None:
+    assert q.shape == q_ref.shape and scale.shape == scale_ref.shape
+    if activation != "gelu_erf":
+        problems = {name: p for name, p in (("scales", _bitwise(scale, scale_ref)),
+                                            ("values", _bitwise(q, q_ref))) if p}
+        assert not problems, problems
+        return
+    # Measured on the H200: Triton's erf is not CUDA's erff in the last bit, so GELU(erf) moves
+    # a few values by one e4m3 step (26 of 333000 here). fuse_act_quant (exact) rejects GELU(erf).
+    steps = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
+    assert steps.max().item() <= 1 and (steps > 0).float().mean().item() < 1e-3
+    assert (scale - scale_ref).abs().max().item() <= scale_ref.abs().max().item() * 2**-7
+
+
+@pytest.mark.parametrize("case", ACT_CASES, ids=[c.name for c in ACT_CASES])
+def test_act_quant_is_bitwise_equal_to_the_unfused_ops(case) -> None:  # noqa: ANN001
+    x, up = act_inputs(case)
+    q, scale = act_quant_triton(x, up, case.activation)
+    q_ref, scale_ref = act_quant_reference(x, up, case.activation)
+    _check_act_quant(q, scale, q_ref, scale_ref, case.activation)
+
+
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_act_quant_is_bitwise_in_other_dtypes(activation: str, dtype: torch.dtype) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    merged = (torch.randn(333, 2 * 1000, device="cuda", generator=g) * 4).to(dtype)
+    x = merged[:, :1000]
+    up = merged[:, 1000:] if activation == "silu_mul" else None
+    q, scale = act_quant_triton(x, up, activation)
+    q_ref, scale_ref = act_quant_reference(x, up, activation)
+    _check_act_quant(q, scale, q_ref, scale_ref, activation)
+
+
+@pytest.mark.parametrize("case", QK_CASES, ids=[c.name for c in QK_CASES])
+def test_qk_norm_rope_within_its_tolerance(case) -> None:  # noqa: ANN001
+    inputs = qk_inputs(case)
+    kw = dict(eps=1e-6, norm=case.norm, rope=case.rope)
+    got = qk_norm_rope_triton(**inputs, **kw)
+    want = qk_norm_rope_reference(**inputs, **kw)
+    exact = qk_norm_rope_reference(**{k: [t.double() for t in v] for k, v in inputs.items()},
+                                   **kw)
+    for role, g, w, x in zip("qk", got, want, exact, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
+        err, ref_err = relative_error(g, x), relative_error(w, x)
+        assert err <= 2 * max(ref_err, RTOL_FLOOR[g.dtype]), (role, err, ref_err)
+        same = (g == w).float().mean().item()
+        print(f"{case.name} {role}: rel. error {err:.3g} (unfused {ref_err:.3g}), "
+              f"{100 * same:.2f}% bitwise equal to the unfused ops")
+
+
+def test_custom_ops_run_the_kernels_on_cuda_and_replay_in_a_cuda_graph() -> None:
+    inputs = qk_inputs(QK_CASES[0])
+    kw = dict(eps=1e-6, norm=QK_CASES[0].norm, rope=QK_CASES[0].rope)
+    x, up = act_inputs(ACT_CASES[2])
+    args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], inputs["cos"],
+            inputs["sin"], kw["eps"], kw["norm"], kw["rope"])
+    q_kernel, k_kernel = qk_norm_rope_triton(**inputs, **kw)
+    act_kernel = act_quant_triton(x, up, "silu_mul")
+
+    def step() -> tuple[torch.Tensor, ...]:
+        return (*torch.ops.kopt.qk_norm_rope(*args),
+                *torch.ops.kopt.act_quant_fp8_rowwise(x, up, "silu_mul"))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, (q_kernel, k_kernel, *act_kernel), strict=True):
+        assert _bitwise(got, want) is None
+
+
+SITES = {"qwen-image-tiny": (2, 3), "flux2-tiny": (4, 4), "llm-tiny": (2, 2)}
+
+
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny", "llm-tiny"])
+def test_rewrites_verify_on_cuda(name: str) -> None:
+    w = build(name, device="cuda", dtype=torch.bfloat16)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    inputs = flatten_inputs(w.args, w.kwargs)[0]
+    gm = opt.graph_module
+    for rewrite, sites in zip((QK_NORM_ROPE, ACT_QUANT), SITES[name], strict=True):
+        after = copy_graph_module(gm)
+        result = RewritePass(rewrite.name, [rewrite]).run(after)
+        assert result.matched == sites, (rewrite.name, result.rejected)
+        verdict = compare(gm, after, inputs, rewrite.numerics, VerifyOptions())
+        assert verdict.passed, (rewrite.name, verdict)
+        print(f"{name} {rewrite.name}: {verdict}")
