@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import triton
 
+from kopt.codegen import fp64_reference
 from kopt.codegen.kernels.nvfp4 import (
     BLOCK_SIZE,
     nvfp4_launch_rows,
@@ -71,6 +72,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     row_tiling,
 )
 from kopt.codegen.pointwise import (
+    _EVAL,
     DT_CODE,
     DTYPE_NAMES,
     DTYPES,
@@ -726,6 +728,67 @@ def _(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     s = _parse_spec(spec)
     out = rowwise_triton(s, inputs)
     return [out[n] for n in s.output_names()]
+
+
+@fp64_reference(torch.ops.kopt.rowwise.default)
+def _rowwise64(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    """The verifier's yardstick: the spec's steps on fp64 inputs with no rounding at all (the
+    epilogue's casts are identities, the norm's affine order does not matter); quantized outputs
+    quantize the exact result with the reference quantizers, as the unfused graph's fp64 run
+    quantizes its fp64 values."""
+    s = _parse_spec(spec)
+    t = dict(zip(s.input_names(), inputs, strict=True))
+    x = t["x"]
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    batched = [t[n] for n in ("gate", "scale", "shift") if n in t] + [
+        t[f"ep_{o.name}"] for o in s.epilogue_operands() if o.kind == "batch"]
+    b = max([1, *(v.numel() // cols for v in batched)]) if rows else 1
+
+    def tile(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(b, rows // b, cols)
+
+    def per_batch(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(-1, 1, cols)
+
+    h = tile(x)
+    if s.residual:
+        y = tile(t["y"])
+        y = y + t["residual_bias"].reshape(cols) if s.residual_bias else y
+        h = h + (per_batch(t["gate"]) * y if s.gate else y)
+    n = h
+    w = t["weight"].reshape(cols) if s.weight else None
+    bias = t["bias"].reshape(cols) if s.bias else None
+    if s.norm == "layer":
+        n = torch.nn.functional.layer_norm(h, [cols], w, bias, s.eps)
+    elif s.norm == "rms":
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + s.eps)
+        n = n * w if w is not None else n
+        n = n + bias if bias is not None else n
+    if s.modulation:
+        n = (1 + per_batch(t["scale"])) * n + per_batch(t["shift"])
+    result = n
+    if s.epilogue is not None:
+        env: dict[str, Any] = {EPILOGUE_INPUT: n}
+        shapes = {"tile": (b, rows // b, cols), "row": (b, rows // b, 1), "col": (cols,),
+                  "batch": (-1, 1, cols), "scalar": ()}
+        for o in s.epilogue_operands():
+            env[o.name] = t[f"ep_{o.name}"].reshape(shapes[o.kind])
+        for i, ins in enumerate(s.epilogue.instrs):
+            args = [env[a] if isinstance(a, str) else a for a in ins.args]
+            env[f"%{i}"] = args[0] if ins.op == "cast" else _EVAL[ins.op](args, torch.float64)
+        result = env[s.epilogue.outputs[0]]
+    shape = (*x.shape[:-1], cols)
+    result = result.reshape(shape)
+    out: dict[str, torch.Tensor] = {"out": result, "residual": h.reshape(shape)}
+    if "fp8_row" in s.outputs:
+        out["fp8_row"], out["fp8_row_scale"] = quant_fp8_rowwise_reference(result)
+    if "fp8_group" in s.outputs:
+        out["fp8_group"], out["fp8_group_scale"] = quant_fp8_group_reference(result)
+    if "nvfp4" in s.outputs:
+        out["nvfp4"], out["nvfp4_scale"] = quant_nvfp4_reference(
+            result, t["global_scale"].float())
+    return [out[name] for name in s.output_names()]
 
 
 def rowwise(spec: RowwiseSpec, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -58,6 +58,10 @@ class PassConfig:
     """SwiGLU / GELU(tanh) + the FP8 per-token quantization of the next GEMM's input in one
     kernel (only with ``fp8``)."""
 
+    rowwise_fusion: bool = True
+    """A norm with the (gated) residual add before it and its adaLN modulation / pointwise ops
+    and the next GEMM's FP8 quantization after it -> one ``kopt::rowwise`` kernel."""
+
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""
 

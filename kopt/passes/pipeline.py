@@ -29,6 +29,7 @@ from kopt.patterns.fp8 import fp8_linear
 from kopt.patterns.gemm_epilogue import GEMM_EPILOGUE
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
+from kopt.patterns.rowwise_fusion import ROWWISE_FUSIONS
 from kopt.verify import VerifyOptions, compare
 
 log = logging.getLogger("kopt")
@@ -44,6 +45,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     # q/k are views of the merged QKV output here; the quantizers are the fp8 pass's
     ("fuse_qk_norm_rope", lambda c: RewritePass("fuse_qk_norm_rope", [QK_NORM_ROPE])),
     ("fuse_act_quant", lambda c: RewritePass("fuse_act_quant", [ACT_QUANT])),
+    ("rowwise_fusion", lambda c: RewritePass("rowwise_fusion", list(ROWWISE_FUSIONS))),
     ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
     ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),
 )
