@@ -43,18 +43,12 @@ raises :class:`PointwiseError` (with ``.reason``) for anything else.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import keyword
 import math
-import os
 import re
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
@@ -262,37 +256,6 @@ TRITON_IMPORTS = (
     "from kopt.codegen.pointwise import (pw_div, pw_div_const, pw_erf, pw_exp, pw_gelu_erf, "
     "pw_gelu_tanh, pw_recip, pw_round, pw_rsqrt, pw_sigmoid, pw_silu, pw_sqrt, pw_tanh)"
 )
-
-
-def load_generated_module(name: str, source: str) -> ModuleType:
-    """Import generated kernel ``source`` as module ``name`` from a real file.
-
-    ``triton.jit`` (3.6 and 3.9, compiled and interpreted) reads a kernel's source with
-    ``inspect``, so generated code must live in a file. The file goes to a per-user directory
-    under the system temp dir; ``name`` should carry a hash of ``source`` so that a file never
-    changes once written (it is written atomically, safe across processes).
-    """
-    if name in sys.modules:
-        return sys.modules[name]
-    if not _NAME.match(name):
-        raise ValueError(f"bad module name {name!r}")
-    directory = Path(tempfile.gettempdir()) / f"kopt-codegen-{os.getuid()}"
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.py"
-    if not path.exists() or path.read_text() != source:
-        tmp = directory / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(source)
-        os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 def fp32(c: float) -> float:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -79,8 +78,8 @@ from kopt.codegen.pointwise import (
     TRITON_IMPORTS,
     PointwiseError,
     PointwiseProgram,
-    load_generated_module,
 )
+from kopt.codegen.source import load_generated_module
 from kopt.errors import KoptError
 
 SPEC_VERSION = 1
@@ -608,8 +607,7 @@ def kernel_source(epilogue: PointwiseProgram | None) -> str:
 def _kernel(epilogue_json: str | None) -> Any:
     ep = None if epilogue_json is None else PointwiseProgram.from_json(epilogue_json)
     source = kernel_source(ep)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
-    return load_generated_module(f"kopt_rowwise_{digest}", source).rowwise_kernel
+    return load_generated_module(source, "rowwise").rowwise_kernel
 
 
 def kernel_for(spec: RowwiseSpec) -> Any:
