@@ -109,3 +109,13 @@ def structural_key(gm: fx.GraphModule, roots: list[fx.Node]) -> str:
         parts.append(f"{node.op} {target} {args}")
     parts.append("roots " + " ".join(str(index[r]) for r in roots))
     return "\n".join(parts)
+
+
+def other_operand(node: fx.Node, one: fx.Node) -> Any:
+    """The argument of binary ``node`` that is not ``one`` (None if both or neither are)."""
+    a, b = node.args[:2]
+    if a is one and b is not one:
+        return b
+    if b is one and a is not one:
+        return a
+    return None

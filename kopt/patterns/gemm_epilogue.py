@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 import kopt.codegen.gemm  # noqa: F401 -- registers kopt::fp8_gemm
-from kopt.graph import infer_meta, tensor_meta
+from kopt.graph import infer_meta, other_operand, tensor_meta
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
 
 aten = torch.ops.aten
@@ -31,16 +31,6 @@ GEMM = aten._scaled_mm.default
 FUSED = torch.ops.kopt.fp8_gemm.default
 NAME = "gemm_epilogue"
 E4M3 = torch.float8_e4m3fn
-
-
-def _operand(node: fx.Node, other: fx.Node) -> object:
-    """The argument of binary ``node`` that is not ``other`` (None if both or neither are)."""
-    a, b = node.args[:2]
-    if a is other and b is not other:
-        return b
-    if b is other and a is not other:
-        return a
-    return None
 
 
 def find_gemm_epilogues(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
@@ -61,7 +51,7 @@ def find_gemm_epilogues(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
         user = next(iter(y.users))
         gate = None
         if user.target is aten.mul.Tensor:
-            gate = _operand(user, y)
+            gate = other_operand(user, y)
             if not isinstance(gate, fx.Node):
                 continue
             reason = _gate_unsupported(gate, y)
@@ -78,7 +68,7 @@ def find_gemm_epilogues(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
             if gate is not None:
                 yield Rejection(NAME, gemm.name, "gated product not followed by a residual add")
             continue
-        residual = _operand(user, prod)
+        residual = other_operand(user, prod)
         if not isinstance(residual, fx.Node):
             continue
         rv, yv = tensor_meta(residual), tensor_meta(prod)

@@ -59,6 +59,7 @@ from kopt.graph import (
     infer_meta,
     is_tensor_node,
     op_name,
+    other_operand,
     tensor_meta,
 )
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
@@ -153,16 +154,6 @@ def _is_tile(node: object, main: tuple[int, ...]) -> bool:
 
 def _norm_at(node: fx.Node) -> NormSite | None:
     return find_norm(node) if is_tensor_node(node) else None
-
-
-def _other_operand(node: fx.Node, one: fx.Node) -> object:
-    """The argument of binary ``node`` that is not ``one`` (None if both or neither are)."""
-    a, b = node.args[:2]
-    if a is one and b is not one:
-        return b
-    if b is one and a is not one:
-        return a
-    return None
 
 
 def _other_axis_norm(node: fx.Node) -> str | None:
@@ -362,7 +353,7 @@ def _modulation(site: Site, dtype: torch.dtype) -> tuple[fx.Node, fx.Node] | Non
     mul, add = site.chain
     if not (_is(mul, aten.mul.Tensor) and _is(add, aten.add.Tensor)) or mul.kwargs or add.kwargs:
         return None
-    viewed, shift = _other_operand(mul, site.norm.out), _other_operand(add, mul)
+    viewed, shift = other_operand(mul, site.norm.out), other_operand(add, mul)
     if not (isinstance(viewed, fx.Node) and isinstance(shift, fx.Node)):
         return None
     one_plus = viewed
