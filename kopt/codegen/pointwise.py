@@ -51,7 +51,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -260,12 +259,12 @@ TRITON_IMPORTS = (
 
 def fp32(c: float) -> float:
     """``c`` rounded to fp32 (how PyTorch's kernels see a Python scalar), as a Python float."""
-    return float(np.float32(c))
+    return torch.tensor(c, dtype=torch.float32).item()
 
 
 def reciprocal_fp32(c: float) -> float:
     """What PyTorch's CUDA ``x / c`` multiplies by: ``float(1.0 / double(c))``."""
-    return float(np.float32(1.0 / float(c)))
+    return torch.tensor(1.0 / float(c), dtype=torch.float32).item()
 
 
 def _lit(c: float) -> str:

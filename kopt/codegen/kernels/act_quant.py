@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -48,6 +47,7 @@ from triton.language.extra import libdevice
 from kopt.codegen import fp64_reference
 from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
 from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, MIN_AMAX, quant_fp8_rowwise_reference
+from kopt.codegen.pointwise import fp32
 
 ACTIVATIONS = ("silu_mul", "gelu_tanh", "gelu_erf")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,13 +55,13 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # torch's GELU constants, built like ATen's ``constexpr opmath_t``: double arithmetic, then fp32.
 _M_SQRT2, _M_2_SQRTPI, _M_SQRT1_2 = 1.41421356237309504880, 1.12837916709551257390, \
     0.70710678118654752440
-_K_BETA = tl.constexpr(float(np.float32(_M_SQRT2 * _M_2_SQRTPI * 0.5)))
-_K_KAPPA = tl.constexpr(float(np.float32(0.044715)))
-_K_ALPHA = tl.constexpr(float(np.float32(_M_SQRT1_2)))
+_K_BETA = tl.constexpr(fp32(_M_SQRT2 * _M_2_SQRTPI * 0.5))
+_K_KAPPA = tl.constexpr(fp32(0.044715))
+_K_ALPHA = tl.constexpr(fp32(_M_SQRT1_2))
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
-_MIN_AMAX = tl.constexpr(float(np.float32(MIN_AMAX)))
+_MIN_AMAX = tl.constexpr(fp32(MIN_AMAX))
 # fp32(1 / 448): the reciprocal torch multiplies by for ``amax / 448`` on CUDA.
-_INV_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))
+_INV_E4M3_MAX = fp32(1.0 / E4M3_MAX)
 # Rows up to this many features are held in registers in one pass; longer rows take two passes
 # over their input (amax, then quantize), the second mostly from L2.
 _ONE_PASS_MAX = 8192
