@@ -120,24 +120,33 @@ def regional_compile(model: nn.Module):  # noqa: ANN201
     return swapped(model, lambda _, m: torch.compile(m) if m in blocks else None)
 
 
-def kernel_breakdown(fn: Callable[[], object], forward_ms: float) -> dict[str, float]:
-    """GPU kernel ms per forward by category, plus the launch gaps (forward - busy time)."""
+def kernel_breakdown(fn: Callable[[], object], forward_ms: float,
+                     cuda: bool = True) -> dict[str, float]:
+    """Kernel ms per forward by category, plus the launch gaps (forward - busy time). On the
+    CPU (smoke runs) the "kernels" are the aten ops' self time."""
     fn()
-    torch.cuda.synchronize()
+    _sync(cuda)
     iters = 2
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
+        _sync(cuda)
     out: dict[str, float] = defaultdict(float)
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and not e.name.startswith(("aten::", "kopt::")):
             continue
         cat = next((c for c, rx in CATEGORIES if re.search(rx, e.name, re.I)), "other")
-        out[cat] += e.device_time / 1e3 / iters
+        out[cat] += (e.device_time if cuda else e.self_cpu_time_total) / 1e3 / iters
     busy = sum(out.values())
     out["launch gaps"] = max(forward_ms - busy, 0.0)
     return {k: round(v, 3) for k, v in out.items()}
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
 
 
 class CudaGraphForward:
@@ -165,7 +174,7 @@ class CudaGraphForward:
 
 
 def measure(name: str, fn: Callable[..., object], w: Workload, uncond: dict, ref: torch.Tensor,
-            iters: int, graphs: bool,
+            iters: int, graphs: bool, device: str,
             graphed: Callable[[], Callable[..., torch.Tensor]] | None = None) -> dict:
     """Time ``fn``; with ``graphs`` also its CUDA-graph form: ``graphed()`` where the variant
     has its own (kopt: hoisted regions outside the graph), else a capture of the whole call."""
@@ -181,9 +190,10 @@ def measure(name: str, fn: Callable[..., object], w: Workload, uncond: dict, ref
     with torch.no_grad():
         out = main_output(fn(*w.args, **cond))
     row["rel_err_vs_eager"] = relative_error(out, ref)
-    row["forward_ms"] = median_ms(lambda: step_one(fn, w), iters, device="cuda")
-    row["step_ms"] = median_ms(lambda: step(fn), iters, device="cuda")
-    row["breakdown"] = kernel_breakdown(lambda: step_one(fn, w), row["forward_ms"])
+    row["forward_ms"] = median_ms(lambda: step_one(fn, w), iters, device=device)
+    row["step_ms"] = median_ms(lambda: step(fn), iters, device=device)
+    row["breakdown"] = kernel_breakdown(lambda: step_one(fn, w), row["forward_ms"],
+                                        cuda=device == "cuda")
     print(f"{name}: {row['forward_ms']:.2f} ms/forward, {row['step_ms']:.2f} ms/step, "
           f"err {row['rel_err_vs_eager']:.2e}", flush=True)
     if graphs:
@@ -224,7 +234,7 @@ def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -
     t0 = time.perf_counter()
     row: dict = {}
     if name == "eager-bf16":
-        return measure(name, w.model, w, uncond, ref, args.iters, args.cuda_graphs)
+        return measure(name, w.model, w, uncond, ref, args.iters, args.cuda_graphs, args.device)
     if name in ("inductor-bf16", "naive-fp8-inductor"):
         torch._dynamo.reset()
         quant = swapped(w.model, naive_fp8) if name.startswith("naive") else \
@@ -234,7 +244,8 @@ def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -
                 w.model(*w.args, **w.kwargs)  # compile
             row = {"fp8_linears": n_fp8, "compiled_blocks": n_blocks,
                    "prepare_s": time.perf_counter() - t0}
-            row.update(measure(name, w.model, w, uncond, ref, args.iters, args.cuda_graphs))
+            row.update(measure(name, w.model, w, uncond, ref, args.iters, args.cuda_graphs,
+                               args.device))
         torch._dynamo.reset()
         return row
     config = kopt.PassConfig(fp8=kopt.FP8Config() if name == "kopt-fp8" else None)
@@ -248,7 +259,8 @@ def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -
         opt.cuda_graphs = True
         return lambda **kw: main_output(opt(*w.args, **kw))
 
-    row.update(measure(name, opt, w, uncond, ref, args.iters, args.cuda_graphs, graphed))
+    row.update(measure(name, opt, w, uncond, ref, args.iters, args.cuda_graphs, args.device,
+                       graphed))
     runner = opt._specs[opt._first_key].runner
     row["hoisted_outside_graph"] = runner is not None and runner.hoisted_outside
     return row
@@ -298,24 +310,29 @@ def write_outputs(rows: dict[str, dict], meta: dict, out_dir: Path) -> None:
     fig.savefig(out_dir / "e2e.png", dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen-image")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seeds", type=int, default=1, help="kopt verification seeds (0: off)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: a smoke run of the harness on a tiny model (no CUDA graphs)")
     p.add_argument("--out-dir", default="e2e-out")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         p.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
-    w = build(args.model, device="cuda", dtype=torch.bfloat16)
+    if args.device == "cpu":
+        args.cuda_graphs = False
+    w = build(args.model, device=args.device, dtype=torch.bfloat16)
     text = next(k for k in ("encoder_hidden_states",) if k in w.kwargs)
     uncond = dict(w.kwargs, **{text: torch.randn_like(w.kwargs[text])})
     meta = {"model": args.model, "description": w.description,
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "iters": args.iters}
     print(w.description, flush=True)
     ref = w.run()
@@ -323,9 +340,11 @@ def main() -> None:
     for name in names:
         rows[name] = run_variant(name, w, uncond, ref, args)
         gc.collect()
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         write_outputs(rows, meta, Path(args.out_dir))
-    meta["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.device == "cuda":
+        meta["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     write_outputs(rows, meta, Path(args.out_dir))
 
 

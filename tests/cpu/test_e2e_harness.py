@@ -40,3 +40,25 @@ def test_repeated_blocks_are_uniform_module_lists() -> None:
     mixed = nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])
     model = nn.ModuleDict({"blocks": blocks, "mixed": mixed})
     assert repeated_blocks(model) == set(blocks)
+
+
+def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  # noqa: ANN001
+    """A smoke run of benchmarks/e2e.py (the device run is the real one): every variant asked
+    for is timed, checked against eager, broken down by category, and written out."""
+    import json
+
+    from benchmarks.e2e import main
+
+    main(["--model", "qwen-image-tiny", "--device", "cpu", "--iters", "2",
+          "--variants", "eager-bf16,kopt-bf16", "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    rows = data["variants"]
+    assert set(rows) == {"eager-bf16", "kopt-bf16"}
+    assert rows["eager-bf16"]["rel_err_vs_eager"] == 0.0
+    assert rows["kopt-bf16"]["rel_err_vs_eager"] < 0.05 and rows["kopt-bf16"]["verified"]
+    assert rows["kopt-bf16"]["passes"]["hoist"] == 1
+    for r in rows.values():
+        assert r["forward_ms"] > 0 and r["step_ms"] > r["forward_ms"]  # a step is 2 calls
+        assert sum(r["breakdown"].values()) > 0
+    table = (tmp_path / "e2e.md").read_text()
+    assert "| kopt-bf16 |" in table and "Kernel time per forward by category" in table
