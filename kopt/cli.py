@@ -13,6 +13,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kopt", description="Graph-rewriting optimizer for "
                                 "PyTorch inference.")
     sub = p.add_subparsers(dest="command", required=True)
-    o = sub.add_parser("optimize", help="capture a model, run the passes, verify, print the "
-                       "report")
+    o = argparse.ArgumentParser(add_help=False)  # what optimize and profile share
     o.add_argument("--model", default="qwen-image-tiny",
                    help=f"one of {', '.join(MODEL_NAMES)}, or module:function returning a "
                    "kopt.models.Workload or (model, args[, kwargs]) (default: %(default)s)")
@@ -62,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="also time the model and the optimized module: median of N calls")
     o.add_argument("--verbose", "-v", action="store_true", help="list every rewritten site")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    sub.add_parser("optimize", parents=[o], help="capture a model, run the passes, verify, "
+                   "print the report")
+    pr = sub.add_parser("profile", parents=[o], help="optimize, then run the optimized graph "
+                        "under torch.profiler and attribute the time to its nodes")
+    pr.add_argument("--iters", type=int, default=3, help="profiled calls (default: 3)")
+    pr.add_argument("--top", type=int, default=20, help="nodes to list (default: 20)")
+    pr.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace here")
+    pr.add_argument("--json", metavar="PATH", help="write the attribution as JSON here")
     return p
 
 
@@ -106,6 +114,24 @@ def _load_workload(args: argparse.Namespace) -> tuple[str, torch.nn.Module, tupl
 
 
 def _optimize(args: argparse.Namespace) -> int:
+    opt = _optimized(args)
+    if opt is None:
+        return 1
+    if args.command == "profile":
+        from kopt.profile import profile_graph
+
+        spec = next(iter(opt._specs.values()))
+        attribution = profile_graph(spec.gm, spec.captured.example_inputs, iters=args.iters,
+                                    trace=args.trace)
+        print(attribution.format(args.top))
+        if args.trace:
+            print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
+        if args.json:
+            Path(args.json).write_text(attribution.to_json())
+    return 0
+
+
+def _optimized(args: argparse.Namespace):  # noqa: ANN202
     import kopt
     from kopt.api import optimize
     from kopt.passes import PassConfig
@@ -125,7 +151,7 @@ def _optimize(args: argparse.Namespace) -> int:
         opt = optimize(model, margs, mkwargs, config, verify=verify, dump_dir=args.dump)
     except kopt.CaptureError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return None
     report = opt.report
     report.model = name
     print(report.format(verbose=args.verbose))
@@ -141,7 +167,7 @@ def _optimize(args: argparse.Namespace) -> int:
               f"kopt {fast:.3f} ms ({fast / base:.3f}x; eager execution, no CUDA graphs)")
     if args.dump:
         print(f"graphs written to {args.dump}/")
-    return 0
+    return opt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        if args.command == "optimize":
+        if args.command in ("optimize", "profile"):
             return _optimize(args)
     except UsageError as exc:
         parser.print_usage(sys.stderr)
