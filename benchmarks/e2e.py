@@ -13,7 +13,9 @@ Variants (each with and without a CUDA graph of the whole forward, where it capt
   activation quantization in plain torch ops, ``torch._scaled_mm`` with rowwise scales; then the
   same regional compilation.
 - ``kopt-bf16`` / ``kopt-fp8``: ``kopt.optimize`` of the whole forward (FP8: ``FP8Config()``),
-  run as optimized.
+  run as optimized; with a CUDA graph: ``optimize(cuda_graphs=True)`` (hoisted work outside).
+- ``kopt-bf16-inductor`` / ``kopt-fp8-inductor`` (on request): ``torch.compile(backend="kopt")``
+  with Inductor compiling what kopt's passes leave (hoisting is off under Inductor).
 
 Per variant: median ms per forward and per denoise step (``calls_per_step`` calls: W1's cond and
 uncond call share the timestep tensor and the latents, differ in the text states), the output's
@@ -45,6 +47,9 @@ from kopt.models import Workload, build, main_output
 from kopt.verify import VerifyOptions, relative_error
 
 VARIANTS = ("eager-bf16", "inductor-bf16", "naive-fp8-inductor", "kopt-bf16", "kopt-fp8")
+# also available, not run by default: kopt's passes inside torch.compile with Inductor after
+# them, over the whole forward (one graph: long to compile at full size)
+EXTRA_VARIANTS = ("kopt-bf16-inductor", "kopt-fp8-inductor")
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
 
@@ -248,7 +253,21 @@ def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -
                                args.device))
         torch._dynamo.reset()
         return row
-    config = kopt.PassConfig(fp8=kopt.FP8Config() if name == "kopt-fp8" else None)
+    config = kopt.PassConfig(fp8=kopt.FP8Config() if name.startswith("kopt-fp8") else None)
+    if name.endswith("-inductor"):
+        torch._dynamo.reset()
+        reports: list = []
+        compiled = torch.compile(w.model, backend="kopt", options={
+            "inner": "inductor", "config": config, "reports": reports})
+        with torch.no_grad():
+            compiled(*w.args, **w.kwargs)  # capture, passes, Inductor
+        row = {"prepare_s": time.perf_counter() - t0, "graphs": len(reports),
+               "verified": all(r.verified for r in reports),
+               "passes": {r.name: r.matched for rep in reports for r in rep.passes}}
+        row.update(measure(name, compiled, w, uncond, ref, args.iters, args.cuda_graphs,
+                           args.device))
+        torch._dynamo.reset()
+        return row
     verify = VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(max(args.seeds, 1))))
     opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify)
     row = {"prepare_s": time.perf_counter() - t0, "verified": opt.report.verified,
@@ -276,9 +295,12 @@ def write_outputs(rows: dict[str, dict], meta: dict, out_dir: Path) -> None:
     for name, r in rows.items():
         best = min(r.get("graph_forward_ms", float("inf")), r["forward_ms"])
         ratio = f"{best / base:.3f}x" if base else "—"
-        graph = (f"{r['graph_forward_ms']:.2f} | {r['graph_step_ms']:.2f}"
-                 if "graph_forward_ms" in r else f"fails: {r.get('cuda_graph_error', 'not run')}"
-                 " | —")
+        if "graph_forward_ms" in r:
+            graph = f"{r['graph_forward_ms']:.2f} | {r['graph_step_ms']:.2f}"
+        elif "cuda_graph_error" in r:
+            graph = f"capture fails: {r['cuda_graph_error']} | —"
+        else:
+            graph = "not run | —"
         lines.append(f"| {name} | {r['forward_ms']:.2f} | {r['step_ms']:.2f} | {graph} | {ratio} "
                      f"| {r['rel_err_vs_eager']:.2e} |")
     lines += ["", "Kernel time per forward by category (ms; CUDA graph where it captured):", ""]
@@ -322,9 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", default="e2e-out")
     args = p.parse_args(argv)
     names = args.variants.split(",")
-    unknown = sorted(set(names) - set(VARIANTS))
+    unknown = sorted(set(names) - set(VARIANTS) - set(EXTRA_VARIANTS))
     if unknown:
-        p.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+        p.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS + EXTRA_VARIANTS)}")
     if args.device == "cpu":
         args.cuda_graphs = False
     w = build(args.model, device=args.device, dtype=torch.bfloat16)
