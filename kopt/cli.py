@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--dump", metavar="DIR", help="write the graph before and after each pass")
     o.add_argument("--bench", type=int, default=0, metavar="N",
                    help="also time the model and the optimized module: median of N calls")
+    o.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the optimized forward from a CUDA graph (hoisted work outside "
+                   "it; CUDA devices only), e.g. with --bench")
     o.add_argument("--verbose", "-v", action="store_true", help="list every rewritten site")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     sub.add_parser("optimize", parents=[o], help="capture a model, run the passes, verify, "
@@ -148,10 +151,14 @@ def _optimized(args: argparse.Namespace):  # noqa: ANN202
     print(f"kopt {kopt.__version__}: optimizing {name}; torch {torch.__version__}, "
           f"{args.dtype} on {args.device}", flush=True)
     try:
-        opt = optimize(model, margs, mkwargs, config, verify=verify, dump_dir=args.dump)
+        opt = optimize(model, margs, mkwargs, config, verify=verify, dump_dir=args.dump,
+                       cuda_graphs=args.cuda_graphs)
     except kopt.CaptureError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
+    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+        print(f"note: --cuda-graphs has no effect on {args.device} (CUDA graphs need a CUDA "
+              "device)", file=sys.stderr)
     report = opt.report
     report.model = name
     print(report.format(verbose=args.verbose))
@@ -163,8 +170,10 @@ def _optimized(args: argparse.Namespace):  # noqa: ANN202
         with torch.no_grad():
             base = median_ms(lambda: model(*margs, **mkwargs), args.bench, device=args.device)
             fast = median_ms(lambda: opt(*margs, **mkwargs), args.bench, device=args.device)
+        how = "CUDA graph" if args.cuda_graphs and str(args.device).startswith("cuda") else \
+            "eager execution, no CUDA graphs"
         print(f"time per call on {args.device}, median of {args.bench}: model {base:.3f} ms, "
-              f"kopt {fast:.3f} ms ({fast / base:.3f}x; eager execution, no CUDA graphs)")
+              f"kopt {fast:.3f} ms ({fast / base:.3f}x; {how})")
     if args.dump:
         print(f"graphs written to {args.dump}/")
     return opt

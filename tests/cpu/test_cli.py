@@ -81,3 +81,10 @@ def test_median_ms_runs_warmup_and_timed_calls() -> None:
     calls = []
     ms = median_ms(lambda: calls.append(torch.ones(100).sum()), iters=5, warmup=2)
     assert len(calls) == 7 and ms > 0
+
+
+def test_cuda_graphs_flag_says_it_has_no_effect_on_the_cpu(capsys) -> None:  # noqa: ANN001
+    assert main(["optimize", "-q", "--no-verify", "--cuda-graphs", "--bench", "2"]) == 0
+    out = capsys.readouterr()
+    assert "--cuda-graphs has no effect on cpu" in out.err
+    assert "eager execution, no CUDA graphs" in out.out
