@@ -50,6 +50,8 @@ VARIANTS = ("eager-bf16", "inductor-bf16", "naive-fp8-inductor", "kopt-bf16", "k
 # also available, not run by default: kopt's passes inside torch.compile with Inductor after
 # them, over the whole forward (one graph: long to compile at full size)
 EXTRA_VARIANTS = ("kopt-bf16-inductor", "kopt-fp8-inductor")
+TOP_KERNELS = 25  # kernels listed per variant (by time per forward)
+TOP_NAME_CHARS = 110
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
 
@@ -126,9 +128,10 @@ def regional_compile(model: nn.Module):  # noqa: ANN201
 
 
 def kernel_breakdown(fn: Callable[[], object], forward_ms: float,
-                     cuda: bool = True) -> dict[str, float]:
-    """Kernel ms per forward by category, plus the launch gaps (forward - busy time). On the
-    CPU (smoke runs) the "kernels" are the aten ops' self time."""
+                     cuda: bool = True) -> dict:
+    """Kernel ms per forward by category, plus the launch gaps (forward - busy time), and under
+    ``"top"`` the longest kernels as ``[category: name, ms per forward, launches per
+    forward]``. On the CPU (smoke runs) the "kernels" are the aten ops' self time."""
     fn()
     _sync(cuda)
     iters = 2
@@ -137,16 +140,24 @@ def kernel_breakdown(fn: Callable[[], object], forward_ms: float,
             fn()
         _sync(cuda)
     out: dict[str, float] = defaultdict(float)
+    kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])  # name -> [ms, launches]
     for e in prof.events():
         if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         if not cuda and not e.name.startswith(("aten::", "kopt::")):
             continue
         cat = next((c for c, rx in CATEGORIES if re.search(rx, e.name, re.I)), "other")
-        out[cat] += (e.device_time if cuda else e.self_cpu_time_total) / 1e3 / iters
+        ms = (e.device_time if cuda else e.self_cpu_time_total) / 1e3 / iters
+        out[cat] += ms
+        k = kernels[f"{cat}: {e.name[:TOP_NAME_CHARS]}"]
+        k[0] += ms
+        k[1] += 1
     busy = sum(out.values())
     out["launch gaps"] = max(forward_ms - busy, 0.0)
-    return {k: round(v, 3) for k, v in out.items()}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    cats = {k: round(v, 3) for k, v in out.items()}
+    cats["top"] = [[name, round(ms, 3), n // iters] for name, (ms, n) in top]
+    return cats
 
 
 def _sync(cuda: bool) -> None:
@@ -270,7 +281,8 @@ def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -
         return row
     verify = VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(max(args.seeds, 1))))
     opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify)
-    row = {"prepare_s": time.perf_counter() - t0, "verified": opt.report.verified,
+    row = {"prepare_s": time.perf_counter() - t0,
+           "verified": opt.report.verified if verify.enabled else None,
            "passes": {r.name: r.matched for r in opt.report.passes}}
     print(opt.report, flush=True)
 
@@ -304,11 +316,17 @@ def write_outputs(rows: dict[str, dict], meta: dict, out_dir: Path) -> None:
         lines.append(f"| {name} | {r['forward_ms']:.2f} | {r['step_ms']:.2f} | {graph} | {ratio} "
                      f"| {r['rel_err_vs_eager']:.2e} |")
     lines += ["", "Kernel time per forward by category (ms; CUDA graph where it captured):", ""]
-    cats = sorted({c for r in rows.values() for c in r.get("graph_breakdown", r["breakdown"])})
+    cats = sorted({c for r in rows.values() for c in r.get("graph_breakdown", r["breakdown"])
+                   if c != "top"})
     lines += ["| variant | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
     for name, r in rows.items():
         b = r.get("graph_breakdown", r["breakdown"])
         lines.append(f"| {name} | " + " | ".join(f"{b.get(c, 0.0):.2f}" for c in cats) + " |")
+    for name, r in rows.items():
+        b = r.get("graph_breakdown", r["breakdown"])
+        lines += ["", f"Longest kernels of {name} (ms per forward, launches per forward):", "",
+                  "| kernel | ms | launches |", "|---|---|---|"]
+        lines += [f"| `{k}` | {ms:.3f} | {n} |" for k, ms, n in b.get("top", [])]
     (out_dir / "e2e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

@@ -70,8 +70,10 @@ def _row_inputs(spec: RowwiseSpec) -> Callable[[int, int, torch.Generator], dict
 
 
 def _spec_case(name: str, spec: RowwiseSpec) -> Case:
-    def kopt(num_warps: int | None = None, **ins: torch.Tensor) -> object:
-        return rowwise_triton(spec, [ins[n] for n in spec.input_names()], num_warps=num_warps)
+    def kopt(num_warps: int | None = None, rows_per: int | None = None,
+             **ins: torch.Tensor) -> object:
+        return rowwise_triton(spec, [ins[n] for n in spec.input_names()], num_warps=num_warps,
+                              rows_per=rows_per)
 
     def reference(**ins: torch.Tensor) -> object:
         return rowwise_reference(spec, ins)
@@ -158,6 +160,10 @@ def _check(case: Case, ins: dict) -> str:
     return f"rel err <= {max(errs):.1e}"
 
 
+SWEEP_ROWS = (1, 2, 4)
+SWEEP_WARPS = (2, 4, 8, 16)
+
+
 def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> dict:
     rows, cols = WORKLOADS[workload]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -178,10 +184,15 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
         "spec": case.spec.to_json() if case.spec is not None else None,
     }
     if sweep_warps and case.spec is not None:
-        row["warps_us"] = {
-            w: _device_ms(lambda w=w, **ins: case.kopt(num_warps=w, **ins), sets) * 1e3
-            for w in (4, 8, 16, 32)
+        # the tiling's candidates: rows per program x warps (keys "rows x warps")
+        row["tiling_us"] = {
+            f"{r}x{w}": _device_ms(lambda r=r, w=w, **ins: case.kopt(num_warps=w, rows_per=r,
+                                                                     **ins), sets) * 1e3
+            for r in SWEEP_ROWS for w in SWEEP_WARPS
         }
+        best = min(row["tiling_us"], key=row["tiling_us"].get)
+        row["best_tiling"] = best
+        row["best_tiling_of_copy"] = moved / (row["tiling_us"][best] / 1e3) / 1e6 / copy_gbps
     return row
 
 
@@ -206,7 +217,9 @@ def _fmt(r: dict) -> str:
     return (f"{r['workload']:<3} {r['case']:<28} {r['kopt_us']:8.1f} {r['eager_us']:9.1f} "
             f"{r['inductor_us']:8.1f} {r['kopt_GBps']:9.0f} {r['kopt_of_copy']:7.2f} "
             f"{r['kopt_over_inductor']:8.2f} {r['kopt_launch_us']:9.1f}  {r['check']}"
-            + (f"  warps {r['warps_us']}" if "warps_us" in r else ""))
+            + (f"  best tiling {r['best_tiling']} (rows x warps): "
+               f"{r['tiling_us'][r['best_tiling']]:.1f} us, {r['best_tiling_of_copy']:.2f} of copy"
+               if "tiling_us" in r else ""))
 
 
 def main() -> None:
@@ -215,7 +228,8 @@ def main() -> None:
     p.add_argument("--workloads", default="W1,W2", help="comma-separated: W1,W2")
     p.add_argument("--cases", default="", help="substring filter on case names")
     p.add_argument("--sweep-warps", action="store_true",
-                   help="also time the row-wise kernels at 4/8/16/32 warps")
+                   help="also time the row-wise kernels at every rows-per-program x warps "
+                        "tiling in SWEEP_ROWS x SWEEP_WARPS")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels_rowwise.py needs a CUDA device")

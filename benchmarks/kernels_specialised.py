@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import triton
@@ -149,6 +149,7 @@ class Row:
     inductor_us: float | None
     copy_us: float
     inductor_note: str = ""
+    configs_us: dict[str, float] = field(default_factory=dict)  # config sweep (--sweep)
 
     @property
     def fused_gbps(self) -> float:
@@ -190,20 +191,38 @@ def bench_qk(case: QKCase) -> Row:
                inductor_us=inductor, copy_us=_copy_us(nbytes), inductor_note=note)
 
 
-def bench_act(case: ActCase) -> Row:
+def act_configs(n: int) -> list[dict[str, int]]:
+    """The act+quant kernel's candidate configs for rows of ``n``: one pass over a whole-row
+    block, or two passes over chunks, at several warp counts."""
+    whole = triton.next_power_of_2(n)
+    out = [{"BLOCK": whole, "ONE_PASS": True, "num_warps": w} for w in (4, 8, 16, 32)
+           if whole // (32 * w) <= 64]
+    out += [{"BLOCK": c, "ONE_PASS": False, "num_warps": w} for c in (2048, 4096, 8192)
+            for w in (4, 8, 16) if c < whole]
+    return out
+
+
+def bench_act(case: ActCase, sweep: bool = False) -> Row:
     x, up = act_inputs(case)
     nbytes = act_bytes(x, up)
     inductor, note = _inductor_us(act_quant_reference, x, up, case.activation)
-    return Row("act_quant_fp8", case.name, nbytes,
-               fused_us=_us(lambda: act_quant_triton(x, up, case.activation)),
-               eager_us=_us(lambda: act_quant_reference(x, up, case.activation)),
-               inductor_us=inductor, copy_us=_copy_us(nbytes), inductor_note=note)
+    row = Row("act_quant_fp8", case.name, nbytes,
+              fused_us=_us(lambda: act_quant_triton(x, up, case.activation)),
+              eager_us=_us(lambda: act_quant_reference(x, up, case.activation)),
+              inductor_us=inductor, copy_us=_copy_us(nbytes), inductor_note=note)
+    if sweep:
+        row.configs_us = {
+            f"{'one' if c['ONE_PASS'] else 'two'}-pass {c['BLOCK']} x {c['num_warps']}w":
+            _us(lambda c=c: act_quant_triton(x, up, case.activation, config=c))
+            for c in act_configs(x.shape[-1])}
+    return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--only", choices=["qk", "act"], help="one kernel family")
+    p.add_argument("--sweep", action="store_true", help="also time every act+quant config")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -211,7 +230,7 @@ def main() -> None:
     if args.only in (None, "qk"):
         rows += [bench_qk(c) for c in QK_CASES]
     if args.only in (None, "act"):
-        rows += [bench_act(c) for c in ACT_CASES]
+        rows += [bench_act(c, args.sweep) for c in ACT_CASES]
     print(f"{'kernel':<14} {'case':<38} {'MB':>7} {'fused us':>9} {'eager us':>9} "
           f"{'inductor':>9} {'GB/s':>6} {'copy GB/s':>9} {'% copy':>6} {'x eager':>7} "
           f"{'x ind.':>6}")
@@ -223,6 +242,10 @@ def main() -> None:
               f"{100 * r.fused_gbps / r.copy_gbps:6.1f} {r.eager_us / r.fused_us:7.2f} {vs_ind}")
         if r.inductor_note:
             print(f"{'':<14} inductor failed: {r.inductor_note}")
+        if r.configs_us:
+            best = min(r.configs_us, key=r.configs_us.get)
+            print(f"{'':<14} configs: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                   r.configs_us.items()) + f"; best {best}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

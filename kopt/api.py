@@ -114,7 +114,10 @@ class Report:
                 out.append(f"      reverted {s}: failed verification")
             for note in r.notes:
                 out.append(f"      {note}")
-        status = "passed" if self.verified else "FAILED (failing rewrites were reverted)"
+        if not any(r.verdict is not None for r in self.passes):
+            status = "off (nothing was checked)" if self.applied else "not needed"
+        else:
+            status = "passed" if self.verified else "FAILED (failing rewrites were reverted)"
         out.append(f"summary: {len(self.passes)} passes, {self.applied} rewrites applied, "
                    f"{sum(len(r.reverted) for r in self.passes)} reverted; verification {status}")
         return "\n".join(out)

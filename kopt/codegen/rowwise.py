@@ -629,9 +629,10 @@ class Launch:
 
 
 def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
-                   num_warps: int | None = None) -> Launch:
+                   num_warps: int | None = None, rows_per: int | None = None) -> Launch:
     """Check the call, allocate its outputs and build the kernel's arguments (``kernel`` is None
-    when there is nothing to compute: no rows or no columns)."""
+    when there is nothing to compute: no rows or no columns). ``num_warps`` and ``rows_per``
+    (rows per program, a power of two) override the tiling's choice (benchmarks sweep them)."""
     c = _check_call(spec, inputs)
     out = _allocate(c)
     rows, cols = c.rows, c.cols
@@ -639,7 +640,11 @@ def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
         return Launch(None, (0,), [], {}, 0, out)
     min_block = 128 if "fp8_group" in spec.outputs else 64 if "nvfp4" in spec.outputs else 16
     launch_rows = nvfp4_launch_rows(rows) if "nvfp4" in spec.outputs else rows
-    block, rows_per, warps = row_tiling(cols, launch_rows, min_block)
+    block, tiled_rows, warps = row_tiling(cols, launch_rows, min_block)
+    if rows_per is None:
+        rows_per = tiled_rows
+    elif rows_per < 1 or rows_per & (rows_per - 1):
+        raise ValueError(f"rows_per must be a power of two, got {rows_per}")
     kernel = kernel_for(spec)
     x, t = c.x, c.t
 
@@ -685,10 +690,11 @@ def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
 
 
 def rowwise_triton(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
-                   num_warps: int | None = None) -> dict[str, torch.Tensor]:
+                   num_warps: int | None = None,
+                   rows_per: int | None = None) -> dict[str, torch.Tensor]:
     """Run ``spec`` with its Triton kernel (on CUDA, or on CPU tensors in the interpreter).
-    ``num_warps`` overrides the tiling's choice (for benchmarks sweeping it)."""
-    launch = prepare_launch(spec, inputs, num_warps=num_warps)
+    ``num_warps`` and ``rows_per`` override the tiling's choice (for benchmarks sweeping it)."""
+    launch = prepare_launch(spec, inputs, num_warps=num_warps, rows_per=rows_per)
     if launch.kernel is None:
         return launch.outputs
     x = launch.args[0]

@@ -28,6 +28,9 @@ class Verdict:
     passed: bool
     tier: str
     detail: str
+    # failed because the check itself could not run (e.g. the fp64 reference ran out of
+    # memory): says nothing about any one site, so bisecting the sites cannot help
+    unverifiable: bool = False
 
     def __str__(self) -> str:
         return f"{'passed' if self.passed else 'FAILED'} ({self.tier}: {self.detail})"

@@ -107,7 +107,17 @@ class PassManager:
         self, p: Pass, gm: fx.GraphModule, example: Sequence[Any], first: PassResult,
         failed: Verdict,
     ) -> tuple[fx.GraphModule, PassResult, Verdict]:
-        """Keep the sites of a failed pass that verify on their own (bisection)."""
+        """Keep the sites of a failed pass that verify on their own (bisection). A verdict that
+        could not be reached at all reverts every site at once: each bisection step would
+        fail the same way."""
+        if failed.unverifiable:
+            log.warning("%s could not be verified (%s); reverting its %d sites", p.name,
+                        failed.detail, len(first.sites))
+            result = replace(first, matched=0, sites=(), nodes_after=first.nodes_before,
+                             reverted=tuple(first.sites))
+            return copy_graph_module(gm), result, Verdict(
+                False, failed.tier, f"{failed.detail}; all {len(first.sites)} sites reverted "
+                "(unverified; --no-verify keeps them unchecked)", unverifiable=True)
         log.warning("%s failed verification (%s); bisecting its %d sites", p.name,
                     failed.detail, len(first.sites))
 

@@ -64,6 +64,11 @@ def _ineligible(x: fx.Node, w: fx.Node, bias: fx.Node | None, consts: set[fx.Nod
         return f"features {k} -> {n} below min_features {config.min_features}"
     if config.layout == "blockwise" and (k % BLOCK or n % BLOCK):
         return f"features {k} -> {n} not multiples of {BLOCK} (128x128 weight blocks)"
+    if config.layout == "blockwise" and k % (BLOCK * 4):
+        # torch checks the blockwise scale tensors against cuBLAS's padded layout: K/128
+        # scale columns rounded up to 4 (H200 run of 2026-11-29)
+        return f"in-features {k} not a multiple of {BLOCK * 4} (cuBLAS pads blockwise scales " \
+               f"to 4 per K)"
     if k % ALIGN or n % ALIGN:
         return f"features {k} -> {n} not multiples of {ALIGN} (torch._scaled_mm)"
     if xv.numel() == 0:

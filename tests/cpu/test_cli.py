@@ -88,3 +88,5 @@ def test_cuda_graphs_flag_says_it_has_no_effect_on_the_cpu(capsys) -> None:  # n
     out = capsys.readouterr()
     assert "--cuda-graphs has no effect on cpu" in out.err
     assert "eager execution, no CUDA graphs" in out.out
+    # with --no-verify nothing was checked, and the summary must not claim otherwise
+    assert "verification off (nothing was checked)" in out.out and "passed" not in out.out

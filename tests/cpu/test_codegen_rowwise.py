@@ -478,3 +478,19 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     assert lines[0] == "0 e4m3 div.rn bf16 -"
     assert lines[1] == "1 e4m3 div.rn bf16 -"
     assert lines[2:5] == ["2 e4m3 div.rn - -", "3 e4m3 div.rn - -", "4 e4m3 div.rn - -"]
+
+
+@pytest.mark.parametrize("rows_per", [1, 4])
+def test_rows_per_program_override_keeps_the_result(rows_per: int) -> None:
+    """Benchmarks sweep rows per program: with 7 rows and 4 per program the last program is
+    partly masked; every output must stay bitwise the default tiling's."""
+    spec = RowwiseSpec("bfloat16", residual=True, gate=True, modulation=True,
+                       outputs=("out", "residual", "fp8_row"))
+    ins = _inputs(spec, 1, 7, 48)
+    names = spec.input_names()
+    want = rowwise_triton(spec, [ins[n] for n in names])
+    got = rowwise_triton(spec, [ins[n] for n in names], rows_per=rows_per, num_warps=2)
+    for n in spec.output_names():
+        assert _bitwise(got[n], want[n]), n
+    with pytest.raises(ValueError, match="power of two"):
+        rowwise_triton(spec, [ins[n] for n in names], rows_per=3)

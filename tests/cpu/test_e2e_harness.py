@@ -59,6 +59,11 @@ def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  
     assert rows["kopt-bf16"]["passes"]["hoist"] == 1
     for r in rows.values():
         assert r["forward_ms"] > 0 and r["step_ms"] > r["forward_ms"]  # a step is 2 calls
+        top = r["breakdown"].pop("top")
         assert sum(r["breakdown"].values()) > 0
+        # the longest kernels, longest first, each named with its category
+        assert top and all(a[1] >= b[1] for a, b in zip(top, top[1:], strict=False))
+        assert all(name.split(": ")[0] in r["breakdown"] for name, _, _ in top)
     table = (tmp_path / "e2e.md").read_text()
     assert "| kopt-bf16 |" in table and "Kernel time per forward by category" in table
+    assert "Longest kernels of kopt-bf16" in table

@@ -108,3 +108,23 @@ def test_rejects_what_it_cannot_compute() -> None:
         act_quant_triton(gate, None, "silu_mul")
     with pytest.raises(ValueError, match="no broadcasting"):
         act_quant_triton(gate, up[:, :1], "silu_mul")
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK": 512, "ONE_PASS": False, "num_warps": 4},
+    {"BLOCK": 1024, "ONE_PASS": True, "num_warps": 8},
+], ids=["two-pass-chunks", "one-pass-wider-block"])
+def test_config_override_keeps_the_result(config: dict) -> None:
+    """Benchmarks sweep the launch config: every config computes the same bits (the two-pass
+    form recomputes the activation; a misplaced chunk offset or mask would change values)."""
+    gate, up = _inputs((5, 1000), torch.bfloat16, "silu_mul")
+    q0, s0 = act_quant_triton(gate, up, "silu_mul")
+    q1, s1 = act_quant_triton(gate, up, "silu_mul", config=config)
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+
+
+def test_config_override_rejects_a_block_shorter_than_the_row() -> None:
+    gate, _ = _inputs((2, 300), torch.float32, "gelu_tanh")
+    with pytest.raises(ValueError, match="cannot hold rows of 300"):
+        act_quant_triton(gate, None, "gelu_tanh", config={"BLOCK": 256, "ONE_PASS": True,
+                                                         "num_warps": 4})

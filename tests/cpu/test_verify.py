@@ -124,3 +124,77 @@ def test_random_inputs_are_fresh_and_keep_ids_and_python_values() -> None:
     assert not torch.equal(a[0], floats) and not torch.equal(a[0], b[0])
     assert abs(a[0].mean().item() - 10) < 3  # drawn like the example, not from N(0, 1)
     assert torch.equal(a[1], ids) and a[2] == 7
+
+
+class _CatLinear(nn.Module):
+    """Two weights concatenated in the graph (as the merge pass leaves them before folding),
+    then one GEMM with a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(24, 16))
+        self.w2 = nn.Parameter(torch.randn(40, 16))
+        self.b = nn.Parameter(torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, torch.cat([self.w1, self.w2]), self.b)
+
+
+def test_fp64_reference_moves_weights_in_their_dtype_and_chunks_gemms(monkeypatch) -> None:  # noqa: ANN001
+    """A full-size model's fp64 reference must fit: concatenating weights runs in their own
+    dtype (exact: values are only moved), and a GEMM upcasts its weight a block of columns at
+    a time. The result is the plain fp64 product either way."""
+    import kopt.verify as verify
+
+    model = _CatLinear().eval()
+    x = torch.randn(5, 16)
+    cap = capture_module(model, (x,))
+    seen: dict[str, torch.dtype] = {}
+
+    class Spy(verify._Upcast):
+        def run_node(self, n):  # noqa: ANN001, ANN202
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                seen[str(n.target)] = out.dtype
+            return out
+
+    monkeypatch.setattr(verify, "GEMM_CHUNK_BYTES", 8 * 16 * 7)  # 7 columns per block
+    with torch.no_grad():
+        (ref,) = pytree_leaves(Spy(cap.gm).run(x))
+    assert seen["aten.cat.default"] == torch.float32  # not upcast
+    assert ref.dtype == torch.float64
+    w = torch.cat([model.w1, model.w2]).double()
+    want = x.double() @ w.t() + model.b.double()
+    assert torch.allclose(ref, want, rtol=1e-14, atol=1e-14)
+    assert verify.GEMM_CHUNK_BYTES < w.numel() * 8  # the chunked path ran
+
+
+def pytree_leaves(tree):  # noqa: ANN001, ANN201
+    return torch.utils._pytree.tree_leaves(tree)
+
+
+def test_a_reference_that_cannot_run_reverts_without_bisecting(monkeypatch) -> None:  # noqa: ANN001
+    """When the fp64 reference itself fails (out of memory on a full-size model), no site can
+    be judged: all sites are reverted at once, the report says why, nothing is bisected."""
+    import kopt.verify as verify
+
+    calls = []
+
+    def broken(gm, inputs):  # noqa: ANN001, ANN202
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 50.77 GiB.\nmore")
+
+    monkeypatch.setattr(verify, "run_fp64", broken)
+    # a tolerance-tier rewrite that is right: only the reference can fail
+    same = PatternRewrite("same", lambda x, y: x * y, lambda x, y: y * x,
+                          lambda: [torch.randn(4), torch.randn(4)], tolerance("commutes"))
+    model = TwoScales().eval()
+    x = torch.randn(3, 6)
+    cap = capture_module(model, (x,))
+    gm, (result,) = _Manager(same).run(cap.gm, cap.example_inputs)
+    assert len(calls) == 1  # one attempt, no bisection
+    assert result.matched == 0 and len(result.reverted) == 2
+    assert result.verdict is not None and not result.verdict.passed
+    assert result.verdict.unverifiable and "could not be computed" in result.verdict.detail
+    assert "OutOfMemoryError" in result.verdict.detail and "more" not in result.verdict.detail
+    assert torch.equal(gm(x)[0], model(x))

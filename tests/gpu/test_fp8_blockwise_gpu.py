@@ -16,7 +16,7 @@ from kopt.verify import relative_error
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(4224, 3072, 3072), (1, 18432, 3072), (130, 256, 384)])
+@pytest.mark.parametrize(("m", "n", "k"), [(4224, 3072, 3072), (1, 18432, 3072), (130, 256, 512)])
 def test_blockwise_gemm_matches_the_exact_product(m: int, n: int, k: int) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -31,11 +31,11 @@ def test_blockwise_gemm_matches_the_exact_product(m: int, n: int, k: int) -> Non
 
 
 def test_fp8_pass_in_blockwise_layout_verifies_on_cuda() -> None:
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(approximate="tanh"), nn.Linear(512, 256))
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(approximate="tanh"), nn.Linear(1024, 512))
     model = model.to("cuda", torch.bfloat16).eval()
-    x = torch.randn(4, 33, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 33, 512, device="cuda", dtype=torch.bfloat16)
     config = kopt.PassConfig(fp8=kopt.FP8Config(layout="blockwise", min_features=16))
-    opt = kopt.optimize(model, (x,), config)
+    opt = kopt.optimize(model, (x,), config=config)
     fp8 = opt.report.result("fp8")
     assert fp8.matched == 2 and fp8.verdict.passed, str(opt.report)
     with torch.no_grad():

@@ -225,9 +225,11 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
-def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None,
-                     activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``)."""
+def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
+                     config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``). ``config``
+    (``BLOCK``, ``ONE_PASS``, ``num_warps``) overrides :func:`_config`'s choice (benchmarks
+    sweep it); a one-pass block must hold the whole row."""
     check_args(x, up, activation)
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {x.dtype}")
@@ -239,7 +241,9 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None,
         return q, scale
     x3 = _as_3d(x)
     u3 = _as_3d(up) if up is not None else x3
-    cfg = _config(n)
+    cfg = _config(n) if config is None else config
+    if cfg["ONE_PASS"] and cfg["BLOCK"] < n:
+        raise ValueError(f"a one-pass block of {cfg['BLOCK']} cannot hold rows of {n}")
     with on_device(x):
         _act_quant_kernel[(rows,)](
             x3, u3, q, scale, x3.shape[1], n, *x3.stride(), *u3.stride(), _INV_E4M3_MAX,

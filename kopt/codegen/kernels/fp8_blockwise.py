@@ -24,6 +24,8 @@ from kopt.codegen import fp64_reference
 from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, MIN_AMAX
 
 BLOCK = 128
+# rows of the activation operand the CUDA GEMM is given: padded up to a multiple of this
+M_ALIGN = 16
 
 
 def quant_fp8_block128_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,10 +80,16 @@ def fp8_blockwise_mm(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
 @fp8_blockwise_mm.register_kernel("cuda")
 def _(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
       out_dtype: torch.dtype) -> torch.Tensor:
+    m = a.shape[0]
+    pad = -m % M_ALIGN
+    if pad:  # cuBLAS has no heuristic for other row counts (M = 1 fails on the H200)
+        a = F.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(a.dtype)
+        scale_a = F.pad(scale_a, (0, 0, 0, pad), value=1.0)
     if scale_a.stride() != (1, a.shape[0]):  # the layout the library kernel checks for
         scale_a = scale_a.t().contiguous().t()
-    return F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, scale_w.t(),
-                       F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, scale_w.t(),
+                      F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return out[:m] if pad else out
 
 
 @fp8_blockwise_mm.register_fake
