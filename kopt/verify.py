@@ -99,6 +99,12 @@ class _Upcast(fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target in _VIEWS:
             target = torch.ops.aten.reshape.default
+        if (isinstance(target, torch._ops.OpOverload) and target._schema.name in _QUANTIZERS
+                and not _any_fp64((args, kwargs))):
+            # A quantizer of values the fp64 run never upcast (a weight, at load time): its
+            # result is what the optimized model uses, computed the model's way, in the
+            # weight's dtype (an fp64 copy of W1's merged modulation weight is 55 GB).
+            return super().call_function(target, args, kwargs)
         if target in _MOVES and _one_float_dtype((args, kwargs)):
             # Values moved, not computed: exact in the tensors' own dtype, and the consumer
             # upcasts them. Upcasting here would hold fp64 copies of whole weight sets (W1's
@@ -125,8 +131,15 @@ _MOVES = frozenset({
     _aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int, _aten.clone.default,
     _aten.alias.default, _aten.detach.default, _aten.narrow.default,
 })
+_QUANTIZERS = frozenset({"kopt::quant_fp8_rowwise", "kopt::quant_fp8_group",
+                         "kopt::quant_fp8_block128", "kopt::quant_nvfp4"})  # schema names
 # fp64 GEMMs of at most this many bytes of the second operand at a time (in fp64)
 GEMM_CHUNK_BYTES = 1 << 30
+
+
+def _any_fp64(tree: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.float64
+               for t in pytree.tree_leaves(tree))
 
 
 def _one_float_dtype(tree: Any) -> bool:

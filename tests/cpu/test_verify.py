@@ -198,3 +198,35 @@ def test_a_reference_that_cannot_run_reverts_without_bisecting(monkeypatch) -> N
     assert result.verdict.unverifiable and "could not be computed" in result.verdict.detail
     assert "OutOfMemoryError" in result.verdict.detail and "more" not in result.verdict.detail
     assert torch.equal(gm(x)[0], model(x))
+
+
+def test_fp64_reference_quantizes_weights_the_models_way() -> None:
+    """A quantizer whose input the fp64 run never upcast (a weight: load-time work) runs in the
+    weight's dtype, as the optimized model runs it; one of an activation gets fp64 input."""
+    import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers the op
+    import kopt.verify as verify
+
+    class Quantizes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            qw, sw = torch.ops.kopt.quant_fp8_rowwise(self.w)
+            qx, sx = torch.ops.kopt.quant_fp8_rowwise(x)
+            return (qx.float() * sx) @ (qw.float() * sw).t()
+
+    x = torch.randn(4, 16)
+    gm = capture_module(Quantizes(), (x,)).gm
+    inputs: dict[str, torch.dtype] = {}
+
+    class Spy(verify._Upcast):
+        def call_function(self, target, args, kwargs):  # noqa: ANN001, ANN202
+            if target is torch.ops.kopt.quant_fp8_rowwise.default:
+                inputs[str(len(inputs))] = args[0].dtype
+            return super().call_function(target, args, kwargs)
+
+    with torch.no_grad():
+        (ref,) = pytree_leaves(Spy(gm).run(x))
+    assert inputs == {"0": torch.float32, "1": torch.float64}
+    assert ref.dtype == torch.float64

@@ -63,9 +63,12 @@ _MIN_AMAX = tl.constexpr(fp32(MIN_AMAX))
 # fp32(1 / 448): the reciprocal torch multiplies by for ``amax / 448`` on CUDA.
 _INV_E4M3_MAX = fp32(1.0 / E4M3_MAX)
 # Rows up to this many features are held in registers in one pass; longer rows take two passes
-# over their input (amax, then quantize), the second mostly from L2.
-_ONE_PASS_MAX = 8192
-_CHUNK = 4096
+# over their input (amax, then quantize), the second mostly from L2, in _CHUNK-wide chunks at 8
+# warps: the best of 12 configs on 5 of 6 W1/W2/LLM shapes on the H200 (one pass over a
+# register-resident 12288-wide row was slower at every warp count; benchmarks/RESULTS.md,
+# session 3 sweep).
+_ONE_PASS_MAX = 2048
+_CHUNK = 2048
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,7 +203,7 @@ def _config(n: int) -> dict[str, int]:
     """Whole row in one block up to _ONE_PASS_MAX features, else _CHUNK-wide chunks."""
     block = triton.next_power_of_2(n)
     if block <= _ONE_PASS_MAX:
-        return {"BLOCK": block, "ONE_PASS": True, "num_warps": max(1, min(16, block // 512))}
+        return {"BLOCK": block, "ONE_PASS": True, "num_warps": max(1, min(8, block // 256))}
     return {"BLOCK": _CHUNK, "ONE_PASS": False, "num_warps": 8}
 
 
