@@ -36,6 +36,15 @@ log = logging.getLogger("kopt")
 
 INNER = ("inductor", "eager")
 
+# Fusions whose kernel Inductor's own fused kernel for the same subgraph beats on the reference
+# shapes (benchmarks/RESULTS.md, session 3 sweeps on the H200): under Inductor they are left to
+# Inductor unless the caller's config names them. Pass name -> why.
+LEFT_TO_INDUCTOR = {
+    "fuse_act_quant": "Inductor's fused activation + FP8 kernel is 1.1-1.25x faster on the W1, "
+                      "W2 and LLM image-token shapes (kopt's is bitwise exact and "
+                      "compute-bound; Inductor's is not exact)",
+}
+
 
 @dataclass
 class BackendOptions:
@@ -57,6 +66,7 @@ class BackendOptions:
                 raise KoptError(f"inner must be one of {INNER}, got {options['inner']!r}")
             out.inner = options["inner"]
         config = options.get("config")
+        named = set(config) if isinstance(config, dict) else set()
         if isinstance(config, dict):
             try:
                 out.config = PassConfig().replace(**config)
@@ -70,6 +80,13 @@ class BackendOptions:
         elif verify is not None:
             out.verify = verify
         out.reports = options.get("reports")
+        if out.inner == "inductor" and not isinstance(config, PassConfig):
+            # a PassConfig object is taken as given; defaults and dicts leave these to Inductor
+            off = {name: False for name in LEFT_TO_INDUCTOR if name not in named}
+            if off:
+                log.info("kopt: under Inductor, left to Inductor: %s",
+                         "; ".join(f"{n} ({LEFT_TO_INDUCTOR[n]})" for n in off))
+                out.config = out.config.replace(**off)
         if out.inner == "inductor" and out.config.hoist:
             # Inductor would trace through the cached regions and drop the caching; their
             # state lives in kopt's runner, which only the eager inner compiler keeps.

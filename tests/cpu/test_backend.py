@@ -129,3 +129,20 @@ def test_fp8_config_compiles_with_inductor() -> None:
     assert reports[0].result("absorb_bias").matched == 2
     want = model(x)
     assert ((got - want).norm() / want.norm()).item() < 2.0**-3
+
+
+def test_under_inductor_the_fusions_inductor_wins_are_left_to_it() -> None:
+    from kopt.backend import LEFT_TO_INDUCTOR, BackendOptions
+    from kopt.passes import PassConfig
+
+    assert "fuse_act_quant" in LEFT_TO_INDUCTOR
+    assert not BackendOptions.parse({"inner": "inductor"}).config.fuse_act_quant
+    assert BackendOptions.parse({"inner": "eager"}).config.fuse_act_quant
+    # asked for by name, or in a config object: kept
+    assert BackendOptions.parse({"inner": "inductor",
+                                 "config": {"fuse_act_quant": True}}).config.fuse_act_quant
+    assert BackendOptions.parse({"inner": "inductor",
+                                 "config": PassConfig()}).config.fuse_act_quant
+    # other fields of a config dict do not bring it back
+    assert not BackendOptions.parse({"inner": "inductor",
+                                     "config": {"cse": False}}).config.fuse_act_quant
