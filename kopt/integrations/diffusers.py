@@ -10,12 +10,10 @@ arguments (:func:`kopt.optimize`): the shapes, the Python values (``img_shapes``
 call with other shapes (another resolution, a negative prompt of another length) is specialised
 anew; the specialisations share packed weights and hoisted caches.
 
-A CFG pair shares its timestep work. The hoist pass keys its caches on the *identity* of the
-timestep tensor (no device sync), but ``QwenImagePipeline`` computes ``timestep / 1000`` afresh
-for each of the two calls of a step. So before each call the wrapper looks at the inputs that key
-a hoisted region, and passes the tensor of the previous call instead of a new one that is
-bitwise equal to it (one compare of a ``[batch]`` tensor, a host sync on CUDA): the uncond call
-then reuses the cond call's timestep embedding and modulation GEMMs.
+A CFG pair shares its timestep work: ``QwenImagePipeline`` computes ``timestep / 1000`` afresh
+for each of the two calls of a step, and the hoist pass matches such an equal key by value
+(:data:`kopt.passes.hoist.MAX_VALUE_KEY_ELEMENTS`), so the uncond call reuses the cond call's
+timestep embedding and modulation GEMMs.
 
 Where kopt cannot apply, the transformer runs unmodified and a warning says where and why:
 a model that cannot be captured (:class:`kopt.CaptureError`: data-dependent control flow, an
@@ -40,7 +38,6 @@ from kopt.api import OptimizedModule, Report, optimize
 from kopt.capture import flatten_inputs, input_signature
 from kopt.errors import CaptureError, KoptError
 from kopt.passes import PassConfig
-from kopt.passes.hoist import cached_regions
 from kopt.passes.pipeline import PIPELINE
 from kopt.verify import VerifyOptions
 
@@ -54,15 +51,6 @@ log = logging.getLogger("kopt")
 PURE_METHODS = frozenset({"cache_context", "save_pretrained", "num_parameters",
                           "get_memory_footprint"})
 
-# Key inputs larger than this are matched by identity only, as the hoist pass does: comparing
-# values would read an activation-sized tensor per call.
-MAX_COMPARED_ELEMENTS = 1 << 16
-
-# A key input whose value has differed from the previous call's this many times in a row (the
-# timestep of a pipeline without CFG: a new value every call) is no longer compared.
-MAX_UNEQUAL_IN_A_ROW = 8
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class KoptTransformer(torch.nn.Module):
@@ -88,9 +76,6 @@ class KoptTransformer(torch.nn.Module):
         self._hooks_checked = False
         self._hooks: str | None = None
         self._failed: dict[tuple, str] = {}  # input signature -> why it cannot be captured
-        self._held: dict[str, torch.Tensor] = {}  # key input name -> the tensor last passed
-        self._unequal: dict[str, int] = {}  # key input name -> compares that failed in a row
-        self._key_names: tuple[tuple[int, ...], frozenset[str]] = ((), frozenset())
         self._params = tuple(inspect.signature(transformer.forward).parameters)
 
     # What diffusers reads from the transformer.
@@ -159,9 +144,6 @@ class KoptTransformer(torch.nn.Module):
         self.optimized = None
         self._hooks_checked = False
         self._failed.clear()
-        self._held.clear()
-        self._unequal.clear()
-        self._key_names = ((), frozenset())
 
     # The call.
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -179,7 +161,6 @@ class KoptTransformer(torch.nn.Module):
             if self.optimized is None:
                 self.optimized = optimize(self.transformer, args, kwargs, self.pass_config,
                                           verify=self.verify, cuda_graphs=self.cuda_graphs)
-            args, kwargs = self._share_equal_keys(args, kwargs)
             return self.optimized(*args, **kwargs)
         except CaptureError as exc:
             self._failed[signature] = str(exc)
@@ -204,43 +185,6 @@ class KoptTransformer(torch.nn.Module):
         self.fallbacks.append(why)
         warnings.warn(f"kopt: {type(self.transformer).__name__} runs unmodified: {why}",
                       RuntimeWarning, stacklevel=3)
-
-    def _share_equal_keys(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Pass the previous call's tensor for a hoisting key input whose value did not change
-        (the second call of a CFG pair), so that the cached region sees the same key."""
-        names = self._hoist_keys()
-        if not names:
-            return args, kwargs
-        args, kwargs = list(args), dict(kwargs)
-        for name in names:
-            if name in kwargs:
-                holder, slot = kwargs, name
-            elif name in self._params and self._params.index(name) < len(args):
-                holder, slot = args, self._params.index(name)
-            else:
-                continue
-            value = holder[slot]
-            held = self._held.get(name)
-            if not isinstance(value, torch.Tensor) or value is held:
-                continue
-            unequal = self._unequal.get(name, 0)
-            if held is not None and unequal < MAX_UNEQUAL_IN_A_ROW and _bitwise_equal(held, value):
-                holder[slot] = held
-                self._unequal[name] = 0
-            else:
-                self._held[name] = value
-                self._unequal[name] = unequal + (held is not None)
-        return tuple(args), kwargs
-
-    def _hoist_keys(self) -> frozenset[str]:
-        """Names of the inputs the hoisted regions of the optimized graphs are keyed on."""
-        assert self.optimized is not None
-        graphs = self.optimized.graph_modules
-        ids = tuple(id(g) for g in graphs)
-        if ids != self._key_names[0]:
-            names = frozenset(n for g in graphs for r in cached_regions(g) for n in r.key_names)
-            self._key_names = (ids, names)
-        return self._key_names[1]
 
     # What kopt did.
     @property
@@ -345,15 +289,3 @@ def _hooks(model: torch.nn.Module) -> str | None:
 def _placement(model: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
     return [(t.data_ptr(), t.dtype) for t in (*model.parameters(), *model.buffers())]
 
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if (a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
-            or a.numel() > MAX_COMPARED_ELEMENTS):
-        return False
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    if a.is_floating_point():
-        # As integers: 0.0 and -0.0 differ, a NaN equals itself.
-        as_int = _SAME_SIZE_INT[a.element_size()]
-        a, b = a.view(as_int), b.view(as_int)
-    return torch.equal(a, b)

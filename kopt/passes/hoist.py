@@ -41,7 +41,8 @@ from kopt.graph import attr, describe_node, stable_topo_sort, structural_key
 from kopt.graph.deps import dependency_sets, is_effectful
 from kopt.graph.splice import eliminate_dead
 from kopt.passes.base import Pass, PassResult, count_nodes
-from kopt.patterns.core import exact
+from kopt.patterns.collectives import KEEP_PER_CALL, is_collective
+from kopt.patterns.core import Rejection, exact
 
 aten = torch.ops.aten
 
@@ -50,6 +51,13 @@ CONDITIONING_RATIO = 64
 
 # Entries per region: the two calls of a CFG pair may alternate two keys (cond/uncond masks).
 CACHE_ENTRIES = 2
+# Key tensors of at most this many elements also match a held entry by value (bitwise) when
+# they are other tensors: QwenImagePipeline computes `timestep / 1000` afresh for each call of
+# a CFG pair. A compare costs a host sync; after this many compares in a row that found nothing
+# (a new timestep every call: no CFG pair) a region matches by identity only.
+MAX_VALUE_KEY_ELEMENTS = 1 << 16
+VALUE_MISSES_IN_A_ROW = 8
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # A region without a GEMM is cached only if it has at least this many compute ops (a RoPE table
 # built from position ids); the cost model (kopt.cost) will rank regions by predicted time.
@@ -89,6 +97,7 @@ class CachedRegion(torch.nn.Module):
         self._entries: list[tuple[tuple[Any, ...], tuple[int, ...], Any]] = []
         self.hits = 0
         self.misses = 0
+        self.value_misses = 0  # value compares in a row that found no entry
 
     def bind_params(self) -> None:
         """(Re)read the tensors the region's graph reads; call after swapping an attribute."""
@@ -107,17 +116,31 @@ class CachedRegion(torch.nn.Module):
             return self.region(*args)
         keys = tuple(args[i] for i in self.key_positions)
         versions = self._versions_now(keys)
-        for i, (held, held_versions, outputs) in enumerate(self._entries):
+        for i, (held, held_versions, _) in enumerate(self._entries):
             if versions == held_versions and all(a is b for a, b in zip(keys, held, strict=True)):
-                self.hits += 1
-                self._entries.append(self._entries.pop(i))  # most recently used last
-                return outputs
+                return self._hit(i, keys, versions)
+        if self._entries and self.value_misses < VALUE_MISSES_IN_A_ROW and _small(keys):
+            # Another tensor with the same value (a pipeline that computes the timestep afresh
+            # for each call of a CFG pair): compare values, one host sync.
+            for i, (held, held_versions, _) in enumerate(self._entries):
+                # the held keys and the parameters unchanged since the entry was made
+                if (self._versions_now(held) == held_versions
+                        and all(_same_value(a, b) for a, b in zip(keys, held, strict=True))):
+                    self.value_misses = 0
+                    return self._hit(i, keys, versions)
+            self.value_misses += 1
         self.misses += 1
         out = self.region(*args)
         # The entry keeps the key tensors alive: their ids cannot be reused by other tensors.
         self._entries.append((keys, versions, out))
         del self._entries[:-CACHE_ENTRIES]
         return out
+
+    def _hit(self, i: int, keys: tuple[Any, ...], versions: tuple[int, ...]) -> Any:
+        self.hits += 1
+        outputs = self._entries.pop(i)[2]
+        self._entries.append((keys, versions, outputs))  # most recently used last, new keys
+        return outputs
 
     @property
     def shareable(self) -> bool:
@@ -138,6 +161,26 @@ class CachedRegion(torch.nn.Module):
 
     def clear(self) -> None:
         self._entries = []
+        self.value_misses = 0
+
+
+def _small(keys: tuple[Any, ...]) -> bool:
+    return all(not isinstance(k, torch.Tensor) or k.numel() <= MAX_VALUE_KEY_ELEMENTS
+               for k in keys)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Bitwise equal tensors (0.0 and -0.0 differ, a NaN equals itself), or equal non-tensors."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+                          and type(a) is type(b) and a == b)
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        a, b = a.view(_SAME_SIZE_INT[a.element_size()]), b.view(_SAME_SIZE_INT[b.element_size()])
+    return torch.equal(a, b)
 
 
 class HoistInvariants(Pass):
@@ -154,6 +197,7 @@ class HoistInvariants(Pass):
         t0 = time.perf_counter()
         before = count_nodes(gm)
         regions, reason = plan_regions(gm.graph, self.declared)
+        kept = kept_collectives(gm.graph, self.declared)
         details, applied, notes = [], [], []
         held = 0
         for key, nodes in regions:
@@ -177,9 +221,11 @@ class HoistInvariants(Pass):
                          f"({CACHE_ENTRIES} entries each)")
         elif reason:
             notes.append(f"nothing to hoist: {reason}")
-        return PassResult(self.name, len(applied), {}, before, count_nodes(gm),
-                          time.perf_counter() - t0, sites=tuple(applied), details=tuple(details),
-                          notes=tuple(notes))
+        return PassResult(self.name, len(applied), {KEEP_PER_CALL: len(kept)} if kept else {},
+                          before, count_nodes(gm), time.perf_counter() - t0,
+                          sites=tuple(applied), details=tuple(details), notes=tuple(notes),
+                          rejections=tuple(Rejection(self.name, n.name, KEEP_PER_CALL)
+                                           for n in kept))
 
 
 def conditioning_inputs(graph: fx.Graph, declared: tuple[str, ...] = ()) -> list[fx.Node]:
@@ -250,7 +296,8 @@ def plan_regions(
 
     def hoistable(n: fx.Node) -> bool:
         return (n.op == "call_function" and bool(deps[n]) and deps[n] < full
-                and deps[n] <= keys_allowed and not is_effectful(n) and output not in n.users)
+                and deps[n] <= keys_allowed and not is_effectful(n) and output not in n.users
+                and not is_collective(n))
 
     # Each hoistable node joins the region of its users when they all share one key set that
     # contains its own (so a cheap prefix of a GEMM's input is cached with it); else its own.
@@ -280,6 +327,22 @@ def plan_regions(
         return [], ("no GEMM or table depends only on the conditioning inputs "
                     f"({', '.join(sorted(keys_allowed))})")
     return regions, ""
+
+
+def kept_collectives(graph: fx.Graph, declared: tuple[str, ...] = ()) -> list[fx.Node]:
+    """Collectives (waits aside) that depend only on conditioning inputs: hoistable but for
+    being collectives. A cache hit would skip one on this rank only, and ranks that disagree on
+    hit or miss (another timestep tensor object, a bumped version) wait on each other forever."""
+    names = {n.name for n in graph.nodes if n.op == "placeholder"
+             and isinstance(n.meta.get("val"), torch.Tensor)}
+    deps = {n: s & names for n, s in dependency_sets(graph).items()}
+    output = next(n for n in graph.nodes if n.op == "output")
+    keys = frozenset(n.name for n in conditioning_inputs(graph, declared))
+    return [n for n in graph.nodes if is_collective(n) and n.target is not _WAIT
+            and deps[n] and deps[n] < deps[output] and deps[n] <= keys]
+
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _without_cycles(graph: fx.Graph, nodes: list[fx.Node]) -> list[fx.Node]:

@@ -244,3 +244,37 @@ def test_cuda_graph_split_runs_hoisted_regions_before_an_equal_body(qwen) -> Non
             got = body(*flat, *regions)
     assert rec.rows.count(1) == 0  # the timestep GEMMs ran in the prelude, not in the body
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_an_equal_timestep_in_a_new_tensor_hits(qwen) -> None:  # noqa: ANN001
+    """Pipelines compute the timestep afresh for each call of a CFG pair (QwenImagePipeline:
+    `timestep / 1000` per call): an equal value in another tensor must hit, a changed value,
+    even by the sign of a zero, must not."""
+    from kopt.passes.hoist import VALUE_MISSES_IN_A_ROW, cached_regions
+
+    w, hoisted, plain = qwen
+    t = w.kwargs["timestep"] * 0.125
+    _, rows1 = _run(hoisted, dict(w.kwargs, timestep=t))
+    uncond = _uncond(w)
+    uncond["timestep"] = t.clone()  # equal, not the same tensor
+    out2, rows2 = _run(hoisted, uncond)
+    assert rows1.count(1) == 3 and rows2.count(1) == 0
+    assert torch.equal(out2, _run(plain, uncond)[0])
+
+    zero = torch.zeros_like(t)
+    _run(hoisted, dict(w.kwargs, timestep=zero))
+    _, rows = _run(hoisted, dict(w.kwargs, timestep=-zero))  # -0.0: another bit pattern
+    assert rows.count(1) == 3
+
+    # a new timestep at every call (no CFG pair): after VALUE_MISSES_IN_A_ROW compares that
+    # found nothing, the region stops comparing values (no more host syncs)
+    region = next(r for g in hoisted.graph_modules for r in cached_regions(g))
+    for i in range(VALUE_MISSES_IN_A_ROW + 1):
+        _run(hoisted, dict(w.kwargs, timestep=t + i + 1))
+    assert region.value_misses == VALUE_MISSES_IN_A_ROW
+    last = t * 3
+    _run(hoisted, dict(w.kwargs, timestep=last))
+    _, rows = _run(hoisted, dict(w.kwargs, timestep=last.clone()))  # equal, not compared
+    assert rows.count(1) == 3
+    _, rows = _run(hoisted, dict(w.kwargs, timestep=last))  # identity still hits
+    assert rows.count(1) == 0
