@@ -58,6 +58,11 @@ class PassConfig:
     """SwiGLU / GELU(tanh) + the FP8 per-token quantization of the next GEMM's input in one
     kernel (only with ``fp8``)."""
 
+    fuse_allreduce_norm: bool = True
+    """Tensor-parallel graphs: the all-reduce of a row-parallel GEMM's partial sums, the
+    residual add and the norm after it (+ modulation, FP8 quantization) -> one
+    ``kopt::allreduce_residual_norm`` call (symmetric-memory all-reduce on CUDA)."""
+
     rowwise_fusion: bool = True
     """A norm with the (gated) residual add before it and its adaLN modulation / pointwise ops
     and the next GEMM's FP8 quantization after it -> one ``kopt::rowwise`` kernel."""

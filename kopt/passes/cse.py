@@ -19,6 +19,7 @@ from torch import fx
 
 from kopt.graph.splice import eliminate_dead
 from kopt.passes.base import Pass, PassResult, count_nodes
+from kopt.patterns.collectives import NOT_DEDUPLICATED, is_collective
 from kopt.patterns.core import exact
 
 
@@ -68,6 +69,9 @@ class EliminateCommonSubexpressions(Pass):
                 seen[key] = node
                 continue
             if sites is not None and node.name not in sites:
+                continue
+            if is_collective(node):
+                skipped[NOT_DEDUPLICATED] += 1
                 continue
             node.replace_all_uses_with(first)
             removed.append(node.name)

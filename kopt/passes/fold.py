@@ -20,6 +20,7 @@ from kopt.capture import SOURCE_KEY
 from kopt.graph import add_constant, attr, constant_nodes
 from kopt.graph.splice import eliminate_dead
 from kopt.passes.base import Pass, PassResult, count_nodes
+from kopt.patterns.collectives import KEEP_PER_CALL, is_collective
 from kopt.patterns.core import exact
 
 # A folded tensor larger than this, and larger than what it is computed from, is left per call:
@@ -53,6 +54,7 @@ class FoldConstants(Pass):
         t0 = time.perf_counter()
         before = count_nodes(gm)
         consts = constant_nodes(gm.graph)
+        kept = _drop_collectives(gm.graph, consts)
         frontier = [
             n for n in gm.graph.nodes
             if n in consts and n.op == "call_function"
@@ -60,7 +62,8 @@ class FoldConstants(Pass):
             and (sites is None or n.name in sites)
         ]
         if not frontier:
-            return PassResult(self.name, 0, {}, before, before, time.perf_counter() - t0)
+            return PassResult(self.name, 0, {KEEP_PER_CALL: len(kept)} if kept else {}, before,
+                              before, time.perf_counter() - t0)
 
         load_gm = _extract(gm, frontier, consts)
         values = LoadProgram(load_gm, (), ()).run()
@@ -69,7 +72,7 @@ class FoldConstants(Pass):
             if n.op == "get_attr"
         }
         storages = {attr(gm, t).untyped_storage().data_ptr() for t in source_bytes}
-        rejected: dict[str, int] = {}
+        rejected: dict[str, int] = {KEEP_PER_CALL: len(kept)} if kept else {}
         targets, kept_values, folded = [], [], []
         added = aliased = 0
         for node, value in zip(frontier, values, strict=True):
@@ -112,6 +115,20 @@ class FoldConstants(Pass):
             sites=tuple(folded),
             notes=notes,
         )
+
+
+def _drop_collectives(graph: fx.Graph, consts: set[fx.Node]) -> list[fx.Node]:
+    """Take collectives on parameters, and what they compute, out of ``consts`` (in place): at
+    load they would run once, and again on whichever rank re-packs after an in-place weight
+    change while its peers are not in the collective. Returns the collectives kept per call."""
+    kept = []
+    for node in graph.nodes:
+        if node in consts and (is_collective(node) or any(
+                a not in consts for a in node.all_input_nodes)):
+            consts.discard(node)
+            if is_collective(node):
+                kept.append(node)
+    return kept
 
 
 def _alias_sources(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> bool:

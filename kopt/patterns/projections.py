@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from kopt.graph import constant_nodes, infer_meta, module_path, tensor_meta
+from kopt.patterns.collectives import partial_sum_nodes
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
 
 aten = torch.ops.aten
@@ -56,6 +57,8 @@ def _as_projection(node: fx.Node) -> _Projection | None:
 def find_parallel_projections(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
     """Group projections by the activation they read; yield a Match per mergeable group."""
     consts = constant_nodes(gm.graph)
+    # tensor parallelism: row-parallel projections (partial sums) merge only with each other
+    partial = partial_sum_nodes(gm.graph)
     by_input: dict[fx.Node, list[_Projection]] = defaultdict(list)
     for node in gm.graph.nodes:
         proj = _as_projection(node)
@@ -79,7 +82,8 @@ def find_parallel_projections(gm: fx.GraphModule) -> Iterator[Match | Rejection]
                 continue
             w = tensor_meta(p.weight)
             b = tensor_meta(p.bias) if p.bias is not None else None
-            key = (p.kind, w.dtype, w.device, b is not None, b.dtype if b is not None else None)
+            key = (p.kind, w.dtype, w.device, b is not None, b.dtype if b is not None else None,
+                   p.node in partial)
             groups[key].append(p)
         for key, members in groups.items():
             if len(members) >= 2:
@@ -93,8 +97,13 @@ def find_parallel_projections(gm: fx.GraphModule) -> Iterator[Match | Rejection]
 
 
 def _mismatch_reason(key: tuple, other: tuple) -> str:
-    kind, dtype, device, has_bias, _ = key
-    okind, odtype, odevice, ohas_bias, _ = other
+    kind, dtype, device, has_bias, _, partial = key
+    okind, odtype, odevice, ohas_bias, _, opartial = other
+    if partial != opartial:
+        return ("sharded differently: a row-parallel projection (its output is a partial sum, "
+                "all-reduced later) next to projections whose outputs are complete on this rank"
+                if partial else "sharded differently: the other projections of this input are "
+                "row-parallel (their outputs are partial sums, all-reduced later)")
     if kind != okind:
         return f"{kind} projection next to {okind} projections of the same input"
     if dtype != odtype:
