@@ -42,18 +42,22 @@ def test_blockwise_gemm_cpu_path_is_the_rounded_exact_product() -> None:
 class _MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.up = nn.Linear(256, 384)
+        self.up = nn.Linear(512, 384)
         self.odd = nn.Linear(384, 200)  # 200 is not a multiple of 128
+        self.down = nn.Linear(384, 256)  # 384 in-features: K/128 = 3 scale columns, not 4k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.odd(torch.nn.functional.gelu(self.up(x)))
+        h = torch.nn.functional.gelu(self.up(x))
+        return self.odd(h), self.down(torch.relu(h))
 
 
 def test_blockwise_fires_where_features_are_multiples_of_128() -> None:
-    opt = kopt.optimize(_MLP().eval(), (torch.randn(3, 7, 256),), config=BLOCKWISE)
+    opt = kopt.optimize(_MLP().eval(), (torch.randn(3, 7, 512),), config=BLOCKWISE)
     fp8 = opt.report.result("fp8")
     assert fp8.matched == 1 and fp8.verdict.passed and fp8.verdict.tier == "bounded"
-    assert fp8.rejected == {"features 384 -> 200 not multiples of 128 (128x128 weight blocks)": 1}
+    assert fp8.rejected == {
+        "features 384 -> 200 not multiples of 128 (128x128 weight blocks)": 1,
+        "in-features 384 not a multiple of 512 (cuBLAS pads blockwise scales to 4 per K)": 1}
     targets = [n.target for n in opt.graph_module.graph.nodes]
     assert torch.ops.kopt.fp8_blockwise_mm.default in targets
     assert torch.ops.kopt.quant_fp8_group.default in targets
