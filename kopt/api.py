@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
@@ -28,6 +28,9 @@ from kopt.passes.hoist import CachedRegion, cached_regions
 from kopt.passes.pipeline import format_pass_line
 from kopt.verify import VerifyOptions
 
+if TYPE_CHECKING:
+    from kopt.cost import CostModel, Ranking
+
 log = logging.getLogger("kopt")
 
 # Distinct input signatures one OptimizedModule specialises for before it stops re-optimizing.
@@ -46,6 +49,7 @@ class Report:
     nodes_captured: int
     passes: list[PassResult] = field(default_factory=list)
     pipeline_uuid: str = ""
+    ranking: Ranking | None = None  # when optimized with a cost model
 
     @property
     def verified(self) -> bool:
@@ -176,6 +180,7 @@ class OptimizedModule:
         self._warned = False
         self._watched = _watch_identity(model, first.gm)
         self.cuda_graphs = False
+        self._cost: CostModel | None = None  # ranks and gates the passes of new signatures too
         self._regions: dict[tuple, CachedRegion] = {}
         self._constants: dict[str, torch.Tensor] = {}
         self._share(first)
@@ -230,7 +235,7 @@ class OptimizedModule:
                 return self.original(*args, **kwargs)
             log.info("kopt: new input signature; capturing and optimizing again")
             spec_entry = _specialize(self.original, args, kwargs, self.config, self._verify,
-                                     self._dump_dir)
+                                     self._dump_dir, cost=self._cost)
             self._specs[key] = spec_entry
             self._share(spec_entry)
             if len(self._specs) == 1:
@@ -305,23 +310,26 @@ def _watch_identity(model: torch.nn.Module, gm: fx.GraphModule) -> list[tuple[di
 
 def _specialize(model: torch.nn.Module, args: tuple, kwargs: dict | None, config: PassConfig,
                 verify: VerifyOptions, dump_dir: Path | None,
-                name: str | None = None) -> _Specialization:
+                name: str | None = None, cost: CostModel | None = None) -> _Specialization:
     t0 = time.perf_counter()
     log.info("kopt: capturing %s", name or type(model).__name__)
     captured = capture_module(model, args, kwargs)
     capture_s = time.perf_counter() - t0
     return optimize_captured(captured, config, verify, dump_dir, name or type(model).__name__,
-                             capture_s)
+                             capture_s, cost=cost)
 
 
 def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOptions,
-                      dump_dir: Path | None, name: str, capture_seconds: float) -> _Specialization:
+                      dump_dir: Path | None, name: str, capture_seconds: float,
+                      cost: CostModel | None = None) -> _Specialization:
+    """``cost``: ranks the passes and skips those predicted to lose (``kopt.cost``)."""
     nodes = sum(1 for n in captured.gm.graph.nodes if n.op == "call_function")
     log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
              len(config.enabled()))
-    manager = PassManager(config, verify, dump_dir)
+    manager = PassManager(config, verify, dump_dir, cost=cost)
     gm, results = manager.run(captured.gm, captured.example_inputs)
-    report = Report(name, captured.source, capture_seconds, nodes, results, manager.uuid())
+    report = Report(name, captured.source, capture_seconds, nodes, results, manager.uuid(),
+                    manager.ranking)
     return _Specialization(captured, gm, report)
 
 
@@ -334,19 +342,23 @@ def optimize(
     verify: VerifyOptions = VerifyOptions(),
     dump_dir: str | Path | None = None,
     cuda_graphs: bool = False,
+    cost: CostModel | None = None,
 ) -> OptimizedModule:
     """Optimize ``model`` for inputs like ``(args, kwargs)``.
 
     Every rewrite is verified on fresh random inputs at its declared numerics tier; a failing
     one is reverted and the report says so. Raises :class:`kopt.errors.CaptureError` if the
-    model cannot be captured (the model is left as it was).
+    model cannot be captured (the model is left as it was). ``cost``: a
+    ``kopt.cost.CostModel``; the passes are then ranked by predicted time saved
+    (``report.ranking``) and a pass predicted to lose on this workload is not applied.
     """
     if model.training:
         warnings.warn("kopt optimizes inference: the model is in training mode, so dropout and "
                       "batch-norm statistics are traced as in training; call model.eval() first",
                       stacklevel=2)
     dump = Path(dump_dir) if dump_dir else None
-    first = _specialize(model, tuple(args), kwargs, config, verify, dump)
+    first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost)
     opt = OptimizedModule(model, first, config, verify, dump)
     opt.cuda_graphs = cuda_graphs
+    opt._cost = cost
     return opt

@@ -1,6 +1,9 @@
 """The ``kopt`` command line.
 
     kopt optimize [--model qwen-image-tiny|flux2-tiny|llm-tiny|...|module:function] ...
+    kopt optimize --rank [--rank-at height=2048,width=2048] ...   # + predicted saving per pass
+    kopt profile ...                                            # time per node and category
+    kopt ablate [--pass PASS ...] [--md F] [--json F] [--png F]  # each pass, measured
 
 Exit codes: 0 done, 1 the model could not be captured, 2 bad arguments or unknown model.
 """
@@ -34,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                                 "PyTorch inference.")
     sub = p.add_subparsers(dest="command", required=True)
     o = argparse.ArgumentParser(add_help=False)  # what optimize and profile share
+    from kopt.kb import cli as kb_cli
+
+    kb_cli.add_optimize_arguments(o)  # --kb PATH, --no-kb, --retry, --workload NAME
     o.add_argument("--model", default="qwen-image-tiny",
                    help=f"one of {', '.join(MODEL_NAMES)}, or module:function returning a "
                    "kopt.models.Workload or (model, args[, kwargs]) (default: %(default)s)")
@@ -65,14 +71,44 @@ def _parser() -> argparse.ArgumentParser:
                    "it; CUDA devices only), e.g. with --bench")
     o.add_argument("--verbose", "-v", action="store_true", help="list every rewritten site")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
-    sub.add_parser("optimize", parents=[o], help="capture a model, run the passes, verify, "
-                   "print the report")
+    o.add_argument("--device-model", default="auto", metavar="auto|fit|h200|PATH",
+                   help="the cost model's device parameters: fit = profile the captured graph "
+                   "on --device and fit them; h200 = the shipped H200 datasheet model; PATH = "
+                   "a JSON DeviceModel; auto = the shipped model of the device if there is one, "
+                   "else fit (default: %(default)s)")
+    op = sub.add_parser("optimize", parents=[o], help="capture a model, run the passes, verify, "
+                        "print the report")
+    op.add_argument("--rank", action="store_true",
+                    help="rank the passes by predicted time saved on this workload and device "
+                    "(cost model) and skip those predicted to lose")
+    op.add_argument("--rank-at", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="with --rank: also predict each pass's saving at another workload "
+                    "shape of a reference model, from symbolic counts (e.g. height=2048,"
+                    "width=2048; repeatable)")
+    op.add_argument("--min-saving", type=float, default=0.0, metavar="MS",
+                    help="with --rank: apply a pass only if predicted to save more than MS ms "
+                    "per call (default: 0, skip predicted losers)")
     pr = sub.add_parser("profile", parents=[o], help="optimize, then run the optimized graph "
                         "under torch.profiler and attribute the time to its nodes")
     pr.add_argument("--iters", type=int, default=3, help="profiled calls (default: 3)")
     pr.add_argument("--top", type=int, default=20, help="nodes to list (default: 20)")
     pr.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace here")
     pr.add_argument("--json", metavar="PATH", help="write the attribution as JSON here")
+    from kopt.ablate import KINDS
+
+    ab = sub.add_parser("ablate", parents=[o], help="time the baseline, each pass alone, the "
+                        "passes added in rank order and all but one; predicted vs measured")
+    ab.add_argument("--pass", dest="passes", action="append", default=[], metavar="PASS",
+                    choices=PassConfig.pass_names(),
+                    help="ablate only these passes (repeatable; default: every enabled pass)")
+    ab.add_argument("--kind", dest="kinds", action="append", default=[], choices=KINDS,
+                    help=f"rows to measure (repeatable; default: {', '.join(KINDS)})")
+    ab.add_argument("--iters", type=int, default=10, help="timed steps per variant (default: 10)")
+    ab.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    ab.add_argument("--md", metavar="PATH", help="write the Markdown table here")
+    ab.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    ab.add_argument("--png", metavar="PATH", help="write the waterfall chart here (matplotlib)")
+    kb_cli.add_parser(sub)
     return p
 
 
@@ -87,6 +123,14 @@ def _parse_shape(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _load_workload(args: argparse.Namespace) -> tuple[str, torch.nn.Module, tuple, dict]:
+    w = _workload(args)
+    name = f"{w.name} ({w.description})" if w.description else w.name
+    return name, w.model, w.args, w.kwargs
+
+
+def _workload(args: argparse.Namespace, device: str | None = None):  # noqa: ANN202
+    """The kopt.models.Workload of --model (a module:function's (model, args[, kwargs]) as one
+    with no step inputs and one call per step); ``device``: build there instead."""
     from kopt.models import MODEL_NAMES, Workload, build
 
     dtype = DTYPES[args.dtype]
@@ -98,22 +142,87 @@ def _load_workload(args: argparse.Namespace) -> tuple[str, torch.nn.Module, tupl
             raise UsageError(f"cannot load {args.model!r}: {exc}") from exc
         made = fn()
         if isinstance(made, Workload):
-            return made.name, made.model, made.args, made.kwargs
+            return made
         if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0],
                                                                           torch.nn.Module):
             kwargs = made[2] if len(made) == 3 else {}
-            return args.model, made[0], tuple(made[1]), dict(kwargs)
+            return Workload(args.model, made[0], tuple(made[1]), dict(kwargs), (), 1, "")
         raise UsageError(f"{args.model} must return a kopt.models.Workload or "
                          "(model, args[, kwargs])")
     if args.model not in MODEL_NAMES:
         raise UsageError(f"unknown model {args.model!r}; choose one of "
                          f"{', '.join(MODEL_NAMES)} or give module:function")
     try:
-        w = build(args.model, device=args.device, dtype=dtype, seed=args.seed,
-                  **_parse_shape(args.shape))
+        return build(args.model, device=device or args.device, dtype=dtype, seed=args.seed,
+                     **_parse_shape(args.shape))
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
-    return f"{w.name} ({w.description})", w.model, w.args, w.kwargs
+
+
+def _config(args: argparse.Namespace):  # noqa: ANN202
+    from kopt.passes import FP8Config, PassConfig
+
+    config = PassConfig().replace(**{p: False for p in args.disable})
+    if args.fp8:
+        config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
+                                              min_features=args.fp8_min_features))
+    return config
+
+
+def _device_model(args: argparse.Namespace, graphs: Sequence[tuple[Any, Sequence[Any]]] = ()):  # noqa: ANN202
+    """The DeviceModel --device-model names; ``graphs``: (graph, inputs) to fit it to."""
+    from kopt.cost import DeviceModel, calibrate, known_device
+
+    choice = args.device_model
+    cuda = str(args.device).startswith("cuda")
+    known = known_device(torch.cuda.get_device_name(torch.device(args.device))) if cuda else None
+    if choice == "auto":
+        if known is not None:
+            return known
+        choice = "fit"
+    if choice == "fit":
+        if not graphs:
+            raise UsageError("--device-model fit needs a graph to profile")
+        print(f"fitting the device model to a profile of {len(graphs)} graph(s) on "
+              f"{args.device}", file=sys.stderr, flush=True)
+        return calibrate(graphs, base=known)
+    named = known_device(choice) if not choice.endswith(".json") else None
+    if named is not None:
+        return named
+    if not Path(choice).is_file():
+        raise UsageError(f"--device-model {choice!r}: not auto, fit, a known device (h200) or "
+                         "a JSON file")
+    return DeviceModel.load(choice)
+
+
+def _calls_per_step(args: argparse.Namespace) -> int:
+    return _workload(args, device="meta").calls_per_step if ":" not in args.model else 1
+
+
+def _rank_at(args: argparse.Namespace, config: Any, cost: Any) -> dict[str, Any]:
+    """Predictions per pass at each --rank-at shape, from the symbolic pipeline."""
+    from kopt.cost.symbolic import B, symbolic_pipeline, workload_values
+
+    if ":" in args.model:
+        raise UsageError("--rank-at needs a reference model (symbolic counts come from its "
+                         "builder)")
+    pipelines: dict[bool, Any] = {}
+    out = {}
+    for spec in args.rank_at:
+        shape = {**_parse_shape(args.shape), **_parse_shape(spec.split(","))}
+        try:
+            values = workload_values(args.model, **shape)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--rank-at {spec}: {exc}") from exc
+        batched = values[B] > 1
+        if batched not in pipelines:
+            print(f"fitting symbolic counts of {args.model} (batch {'>= 2' if batched else 1})",
+                  file=sys.stderr, flush=True)
+            pipelines[batched] = symbolic_pipeline(args.model, config, device=args.device,
+                                                   dtype=DTYPES[args.dtype],
+                                                   mode=shape.get("mode"), batch=values[B])
+        out[spec] = pipelines[batched].predictions(cost, values)
+    return out
 
 
 def _optimize(args: argparse.Namespace) -> int:
@@ -121,12 +230,16 @@ def _optimize(args: argparse.Namespace) -> int:
     if opt is None:
         return 1
     if args.command == "profile":
+        from kopt.cost import fit
         from kopt.profile import profile_graph
 
         spec = next(iter(opt._specs.values()))
         attribution = profile_graph(spec.gm, spec.captured.example_inputs, iters=args.iters,
                                     trace=args.trace)
-        print(attribution.format(args.top))
+        # ceilings: the device's model, or (fit) the best rates this very trace reached
+        ceilings = fit([(spec.gm, attribution)]) if args.device_model in ("auto", "fit") and \
+            not str(args.device).startswith("cuda") else _device_model(args)
+        print(attribution.format(args.top, ceilings=ceilings))
         if args.trace:
             print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
         if args.json:
@@ -135,24 +248,37 @@ def _optimize(args: argparse.Namespace) -> int:
 
 
 def _optimized(args: argparse.Namespace):  # noqa: ANN202
+    """Optimize inside the knowledge base's scope (configs and verdicts read and recorded)."""
+    from kopt.kb import cli as kb_cli
+
+    with kb_cli.optimize_session(args) as kb_session:
+        return _optimized_with(args, kb_session)
+
+
+def _optimized_with(args: argparse.Namespace, kb_session: Any):  # noqa: ANN202
     import kopt
     from kopt.api import optimize
-    from kopt.passes import PassConfig
     from kopt.verify import VerifyOptions
 
     name, model, margs, mkwargs = _load_workload(args)
-    from kopt.passes import FP8Config
-
-    config = PassConfig().replace(**{p: False for p in args.disable})
-    if args.fp8:
-        config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
-                                              min_features=args.fp8_min_features))
+    config = _config(args)
     verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
     print(f"kopt {kopt.__version__}: optimizing {name}; torch {torch.__version__}, "
           f"{args.dtype} on {args.device}", flush=True)
+    cost = None
     try:
+        if getattr(args, "rank", False):
+            from kopt.capture import capture_module
+            from kopt.cost import CostModel
+
+            cap = capture_module(model, margs, mkwargs) if args.device_model in (
+                "auto", "fit") else None
+            device = _device_model(args, [(cap.gm, cap.example_inputs)] if cap else ())
+            cost = CostModel(device, cuda_graphs=args.cuda_graphs,
+                             calls_per_step=_calls_per_step(args),
+                             min_saving_ms=args.min_saving)
         opt = optimize(model, margs, mkwargs, config, verify=verify, dump_dir=args.dump,
-                       cuda_graphs=args.cuda_graphs)
+                       cuda_graphs=args.cuda_graphs, cost=cost)
     except kopt.CaptureError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
@@ -162,14 +288,21 @@ def _optimized(args: argparse.Namespace):  # noqa: ANN202
     report = opt.report
     report.model = name
     print(report.format(verbose=args.verbose))
+    if kb_session is not None:
+        print(kb_session.summary())
     for node in args.explain:
         print(report.explain(node, opt.captured_graph))
+    if cost is not None:
+        print(f"device model: {cost.device.describe()}")
+        print(report.ranking.format(_rank_at(args, config, cost) if args.rank_at else None))
     if args.bench:
         from kopt.bench import median_ms
 
         with torch.no_grad():
             base = median_ms(lambda: model(*margs, **mkwargs), args.bench, device=args.device)
             fast = median_ms(lambda: opt(*margs, **mkwargs), args.bench, device=args.device)
+        if kb_session is not None:
+            kb_session.record_e2e(base, fast, cuda_graphs=args.cuda_graphs)
         how = "CUDA graph" if args.cuda_graphs and str(args.device).startswith("cuda") else \
             "eager execution, no CUDA graphs"
         print(f"time per call on {args.device}, median of {args.bench}: model {base:.3f} ms, "
@@ -179,9 +312,56 @@ def _optimized(args: argparse.Namespace):  # noqa: ANN202
     return opt
 
 
+def _ablate(args: argparse.Namespace) -> int:
+    import kopt
+    from kopt.ablate import KINDS, ablate
+    from kopt.api import optimize_captured
+    from kopt.capture import capture_module
+    from kopt.cost import CostModel
+    from kopt.verify import VerifyOptions
+
+    w = _workload(args)
+    config = _config(args)
+    off = sorted(set(args.passes) - set(config.enabled()))
+    if off:
+        raise UsageError(f"--pass {', '.join(off)}: not enabled (fp8 needs --fp8; "
+                         "gemm_epilogue is off by default)")
+    verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
+    print(f"kopt {kopt.__version__}: ablating {w.name}; torch {torch.__version__}, "
+          f"{args.dtype} on {args.device}", file=sys.stderr, flush=True)
+    try:
+        cap = capture_module(w.model, w.args, w.kwargs)
+    except kopt.CaptureError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    graphs = []
+    if args.device_model in ("auto", "fit"):  # fitted to the graph before and after the passes
+        full = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0)
+        graphs = [(cap.gm, cap.example_inputs), (full.gm, cap.example_inputs)]
+    cost = CostModel(_device_model(args, graphs), calls_per_step=w.calls_per_step)
+    del graphs
+    result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
+                    cost=cost, iters=args.iters, warmup=args.warmup, verify=verify,
+                    captured=cap, progress=lambda s: None if args.quiet else
+                    print(s, file=sys.stderr, flush=True))
+    text = result.markdown()
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+    if args.png:
+        result.waterfall(args.png)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "kb":
+        from kopt.kb import cli as kb_cli
+
+        return kb_cli.run(args)
     # torch's own pytree deprecation notices are not the user's concern here.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -190,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("optimize", "profile"):
             return _optimize(args)
+        if args.command == "ablate":
+            return _ablate(args)
     except UsageError as exc:
         parser.print_usage(sys.stderr)
         print(f"kopt: error: {exc}", file=sys.stderr)

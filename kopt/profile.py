@@ -9,6 +9,12 @@ own Python, a hoisted region's cache check) is reported as unattributed, never d
 Each node also gets its FLOPs (``torch.utils.flop_counter``, per op) and the bytes it reads and
 writes (its tensors' sizes), so a report can say how close a node came to the device's peak
 rate or bandwidth.
+
+The time per call is split into categories by the node's op (:func:`op_category`): GEMMs,
+attention, quantization, the rest element-wise (norms, pointwise chains, copies, fused row-wise
+kernels), and launch gaps = wall time - busy time (the device idle between kernels on CUDA; the
+graph's Python and dispatch between ops on the CPU). With a device model (``kopt.cost``) each
+category's time is also set against its roofline at the device's measured ceilings.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx
@@ -28,8 +34,49 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 PREFIX = "kopt::node::"
+ITERATION = "kopt::call::"
 # op events the attribution counts: what the graph's nodes dispatch to (aten and kopt's ops)
 _OP_PREFIXES = ("aten::", "kopt::", "prims::")
+
+CATEGORIES = ("gemm", "attention", "quantization", "elementwise")
+GAPS = "launch gaps"
+
+# op -> category, by qualified op name (``aten::mm``, ``kopt::fp8_gemm``): the same names the
+# profiler gives the events, so nodes and events (inside a hoisted region, unattributed) agree.
+_GEMM_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+    "aten::_scaled_mm", "aten::_scaled_grouped_mm", "aten::convolution", "aten::_convolution",
+    "kopt::fp8_gemm", "kopt::bf16_gemm", "kopt::fp8_blockwise_mm",
+})
+
+
+def op_category(qualified: str) -> str:
+    """``gemm``, ``attention``, ``quantization`` or ``elementwise`` for an op name such as
+    ``aten::addmm`` or ``kopt::quant_fp8_rowwise`` (kopt's generated GEMM-with-epilogue ops are
+    GEMMs: their names end in ``_gemm``)."""
+    ns, _, name = qualified.partition("::")
+    if qualified in _GEMM_OPS or (ns == "kopt" and name.endswith(("_gemm", "_mm"))):
+        return "gemm"
+    if "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention")):
+        return "attention"
+    if ns == "kopt" and (name.startswith("quant_") or "act_quant" in name):
+        return "quantization"
+    return "elementwise"
+
+
+def qualified_name(target: Any) -> str:
+    """``aten::linear`` for ``torch.ops.aten.linear.default``; the Python name otherwise."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name
+    return getattr(target, "__name__", str(target))
+
+
+class Ceilings(Protocol):
+    """What the device can do (``kopt.cost.DeviceModel``): the time a node would take at the
+    roofline of the device's peak rate for ``dtype`` and its bandwidth."""
+
+    def roofline_ms(self, flops: float, nbytes: float, dtype: str) -> float: ...
 
 
 @dataclass
@@ -40,12 +87,42 @@ class NodeCost:
     calls: int = 0  # op events (CPU) or kernels (CUDA) per call
     flops: int = 0
     bytes: int = 0
+    category: str = "elementwise"  # see op_category; a hoisted region's events go by their op
+    dtype: str = ""  # of the first floating-point input (what a GEMM runs in)
+    host_ms: float = 0.0  # per call: CPU self time of the node's op events (= ms on the CPU)
+    min_ms: float = 0.0  # the least of the profiled calls' ms: the least disturbed sample
 
     def rates(self) -> tuple[float, float]:
         """(TFLOP/s, GB/s) achieved, 0 where no time was measured."""
         if self.ms <= 0:
             return 0.0, 0.0
         return self.flops / self.ms / 1e9, self.bytes / self.ms / 1e6
+
+
+@dataclass(frozen=True)
+class CategoryTime:
+    """Time per call in one category, with the work done in it (FLOPs, bytes) and, given
+    ceilings, the time the same work takes at the roofline."""
+
+    name: str
+    ms: float
+    nodes: int = 0
+    flops: int = 0
+    bytes: int = 0
+    roofline_ms: float | None = None
+
+    def rates(self) -> tuple[float, float]:
+        """(TFLOP/s, GB/s) achieved, 0 where no time was measured."""
+        if self.ms <= 0:
+            return 0.0, 0.0
+        return self.flops / self.ms / 1e9, self.bytes / self.ms / 1e6
+
+    @property
+    def of_roofline(self) -> float | None:
+        """Roofline time / measured time: 1.0 = at the device's ceiling."""
+        if self.roofline_ms is None or self.ms <= 0:
+            return None
+        return self.roofline_ms / self.ms
 
 
 @dataclass
@@ -55,25 +132,57 @@ class Attribution:
     nodes: dict[str, NodeCost] = field(default_factory=dict)
     unattributed: dict[str, float] = field(default_factory=dict)  # event name -> ms per call
     total_ms: float = 0.0  # wall time per call
+    category_ms: dict[str, float] = field(default_factory=dict)  # busy time per category
 
     @property
     def attributed_ms(self) -> float:
         return sum(n.ms for n in self.nodes.values())
 
+    @property
+    def busy_ms(self) -> float:
+        """Time in ops (CPU) or kernels (CUDA), attributed or not."""
+        return self.attributed_ms + sum(self.unattributed.values())
+
+    def categories(self, ceilings: Ceilings | None = None) -> list[CategoryTime]:
+        """The call's time split into :data:`CATEGORIES` and launch gaps (wall - busy); the
+        parts add up to the wall time. FLOPs and bytes are those of the nodes of each category
+        (a hoisted region's work counts where its events went, its FLOPs nowhere)."""
+        out = []
+        for cat in CATEGORIES:
+            members = [c for c in self.nodes.values() if c.category == cat]
+            roof = None
+            if ceilings is not None:
+                roof = sum(ceilings.roofline_ms(c.flops, c.bytes, c.dtype) for c in members
+                           if c.ms > 0)
+            out.append(CategoryTime(cat, self.category_ms.get(cat, 0.0),
+                                    sum(1 for c in members if c.ms > 0),
+                                    sum(c.flops for c in members), sum(c.bytes for c in members),
+                                    roof))
+        out.append(CategoryTime(GAPS, max(self.total_ms - self.busy_ms, 0.0)))
+        return out
+
     def top(self, n: int = 20) -> list[NodeCost]:
         return sorted(self.nodes.values(), key=lambda c: -c.ms)[:n]
 
-    def format(self, n: int = 20) -> str:
-        busy = self.attributed_ms + sum(self.unattributed.values())
+    def format(self, n: int = 20, ceilings: Ceilings | None = None) -> str:
+        busy = self.busy_ms
         lines = [f"profile ({self.device}, {self.iters} calls): {self.total_ms:.3f} ms per call, "
                  f"{busy:.3f} ms in ops/kernels ({self.attributed_ms:.3f} attributed to "
                  f"{sum(1 for c in self.nodes.values() if c.ms > 0)} nodes)",
-                 f"  {'node':40s} {'op':28s} {'ms':>9s} {'share':>6s} {'TFLOP/s':>8s} "
-                 f"{'GB/s':>8s}"]
+                 f"  {'category':16s} {'ms':>9s} {'share':>6s} {'nodes':>6s} {'TFLOP/s':>8s} "
+                 f"{'GB/s':>8s} {'of roofline':>11s}"]
+        for cat in self.categories(ceilings):
+            tf, gbs = cat.rates()
+            roof = cat.of_roofline
+            lines.append(f"  {cat.name:16s} {cat.ms:9.4f} "
+                         f"{cat.ms / self.total_ms if self.total_ms else 0:6.1%} {cat.nodes:6d} "
+                         f"{tf:8.3g} {gbs:8.1f} {'' if roof is None else f'{roof:.1%}':>11s}")
+        lines.append(f"  {'node':40s} {'op':28s} {'ms':>9s} {'share':>6s} {'TFLOP/s':>8s} "
+                     f"{'GB/s':>8s}")
         for c in self.top(n):
             tf, gbs = c.rates()
             lines.append(f"  {c.name[:40]:40s} {c.op[:28]:28s} {c.ms:9.4f} "
-                         f"{c.ms / busy if busy else 0:6.1%} {tf:8.2f} {gbs:8.1f}")
+                         f"{c.ms / busy if busy else 0:6.1%} {tf:8.3g} {gbs:8.1f}")
         if self.unattributed:
             worst = sorted(self.unattributed.items(), key=lambda kv: -kv[1])[:5]
             lines.append("  unattributed: " + ", ".join(f"{k} {v:.4f} ms" for k, v in worst))
@@ -81,6 +190,7 @@ class Attribution:
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "iters": self.iters, "total_ms": self.total_ms,
+                           "categories": {c.name: c.ms for c in self.categories()},
                            "nodes": {k: vars(v) for k, v in self.nodes.items()},
                            "unattributed": self.unattributed}, indent=1)
 
@@ -101,6 +211,14 @@ def _op_name(n: fx.Node) -> str:
     return getattr(n.target, "__name__", str(n.target))
 
 
+def _compute_dtype(n: fx.Node) -> str:
+    for a in n.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return str(v.dtype).removeprefix("torch.")
+    return ""
+
+
 def _static_costs(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, NodeCost]:
     """FLOPs and bytes of every computing node, from one run with a FLOP counter per node."""
     costs: dict[str, NodeCost] = {}
@@ -113,8 +231,10 @@ def _static_costs(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, NodeCo
                 out = super().run_node(n)
             args = [a for a in tree_leaves((n.args, n.kwargs)) if isinstance(a, fx.Node)]
             moved = sum(_nbytes(self.env[a]) for a in args if a in self.env) + _nbytes(out)
+            category = op_category(qualified_name(n.target)) if n.op == "call_function" \
+                else "elementwise"
             costs[n.name] = NodeCost(n.name, _op_name(n), flops=fc.get_total_flops(),
-                                     bytes=moved)
+                                     bytes=moved, category=category, dtype=_compute_dtype(n))
             return out
 
     with torch.no_grad():
@@ -126,13 +246,17 @@ def _nbytes(v: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(v) if isinstance(t, torch.Tensor))
 
 
-def _enclosing_node(e: Any) -> str | None:
+def _enclosing(e: Any, prefix: str) -> str | None:
     p = e
     while p is not None:
-        if p.name.startswith(PREFIX):
-            return p.name[len(PREFIX):]
+        if p.name.startswith(prefix):
+            return p.name[len(prefix):]
         p = p.cpu_parent
     return None
+
+
+def _enclosing_node(e: Any) -> str | None:
+    return _enclosing(e, PREFIX)
 
 
 def profile_graph(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 3,
@@ -156,8 +280,9 @@ def profile_graph(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 3,
             t0 = time.perf_counter()
             if start is not None:
                 start.record()
-            for _ in range(iters):
-                runner.run(*inputs)
+            for i in range(iters):
+                with record_function(f"{ITERATION}{i}"):
+                    runner.run(*inputs)
             if end is not None:
                 end.record()
                 torch.cuda.synchronize()
@@ -166,10 +291,16 @@ def profile_graph(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 3,
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     result = Attribution("cuda" if cuda else "cpu", iters, costs, {}, total / iters)
+    regions = {n.name for n in gm.graph.nodes if n.op == "call_module"}
     unattributed: dict[str, float] = defaultdict(float)
+    category_ms: dict[str, float] = defaultdict(float)
+    per_call: dict[tuple[str, str | None], float] = defaultdict(float)  # (node, call) -> ms
     for e in prof.events():
-        if e.name.startswith(PREFIX):
+        if e.name.startswith((PREFIX, ITERATION)):
             continue
+        node = _enclosing_node(e)
+        if e.name.startswith(_OP_PREFIXES) and node in result.nodes:
+            result.nodes[node].host_ms += e.self_cpu_time_total / 1e3 / iters
         if cuda:
             ms = sum(k.duration for k in e.kernels) / 1e3 / iters
             if not e.kernels:
@@ -178,14 +309,21 @@ def profile_graph(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 3,
             if not e.name.startswith(_OP_PREFIXES):
                 continue
             ms = e.self_cpu_time_total / 1e3 / iters
-        node = _enclosing_node(e)
+        # a node's events count in its category; a hoisted region's (and unattributed) events
+        # by their own op
+        by_node = node in result.nodes and node not in regions
+        category_ms[result.nodes[node].category if by_node else op_category(e.name)] += ms
         if node is None or node not in result.nodes:
             unattributed[e.name] += ms
             continue
         cost = result.nodes[node]
         cost.ms += ms
         cost.calls += len(e.kernels) if cuda else 1
+        per_call[node, _enclosing(e, ITERATION)] += ms * iters
     for c in result.nodes.values():
         c.calls = round(c.calls / iters)
+        calls = [per_call.get((c.name, str(i)), 0.0) for i in range(iters)]
+        c.min_ms = min(calls) if c.ms > 0 else 0.0
     result.unattributed = dict(unattributed)
+    result.category_ms = {cat: category_ms.get(cat, 0.0) for cat in CATEGORIES}
     return result

@@ -47,7 +47,7 @@ import functools
 import keyword
 import textwrap
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from kopt.codegen import fp64_reference
 from kopt.codegen.source import load_generated_module
 from kopt.errors import KoptError
+from kopt.kb import tuning as kb_tuning
 
 E4M3 = torch.float8_e4m3fn
 ACTIVATIONS = ("none", "gelu_tanh", "silu")
@@ -400,21 +401,48 @@ _LOCK = threading.Lock()  # autotuner creation
 _TUNERS: dict[tuple, object] = {}
 
 
-def _tuner(module: ModuleType, configs: list):  # noqa: ANN202
+def _tuner(module: ModuleType, configs: list,
+           tuning: kb_tuning.TuningKey | None = None):  # noqa: ANN202
+    """One autotuner per kernel module, config list and tuning key (the same sweeps as one
+    tuner for all keys; its ``best_config`` and timings are then that key's alone, for the
+    knowledge base)."""
     import triton
 
-    key = (module.__name__, tuple(str(c) for c in configs))
+    key = (module.__name__, tuple(str(c) for c in configs), tuning)
     with _LOCK:
         if key not in _TUNERS:
             _TUNERS[key] = triton.autotune(configs=configs, key=_TUNING_KEY)(module.gemm_kernel)
         return _TUNERS[key]
 
 
+def _tuning_key(module: ModuleType, a: torch.Tensor, bias: torch.Tensor | None, p: _Problem,
+                activation: str, out_dtype: torch.dtype, use_tma: bool,
+                precise: bool) -> kb_tuning.TuningKey:
+    """The knowledge base's name for this launch's autotune key (see ``_TUNING_KEY``)."""
+    from kopt.kb import device_name
+
+    flags = [f"m={m_bucket(p.m)} n={p.n} k={p.k} tma={use_tma:d} precise={precise:d}",
+             f"bias={'none' if bias is None else str(bias.dtype).removeprefix('torch.')}",
+             f"act={activation} gate={p.gate is not None:d} res={p.residual is not None:d}"]
+    dtypes = [a.dtype, out_dtype, *(t.dtype for t in p.extra)]
+    return kb_tuning.TuningKey("gemm_fp8" if p.fp8 else "gemm_bf16",
+                               module.__name__.rsplit("_", 1)[-1], " ".join(flags),
+                               "/".join(str(d).removeprefix("torch.") for d in dtypes),
+                               device_name(a.device))
+
+
+def _config_from_params(c: Mapping[str, int]):  # noqa: ANN202
+    """A stored config (integers validated against the template's allowlist) as this
+    template's ``triton.Config``, pre-hook and all."""
+    return gemm_config(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"],
+                       c["num_stages"], c["num_warps"])
+
+
 def tuned_configs() -> list[dict]:
     """What autotuning chose so far in this process (for the knowledge base and benchmarks):
     one row per kernel module and key."""
     rows = []
-    for (module, _), tuner in _TUNERS.items():
+    for (module, _, _), tuner in _TUNERS.items():
         for key, cfg in getattr(tuner, "cache", {}).items():
             rows.append({"module": module, "key": [str(k) for k in key], "config": str(cfg)})
     return rows
@@ -673,6 +701,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
     p = _check(op, a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8,
                epilogue, extra)
     m, n, k = p.m, p.n, p.k
+    tuning = None
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -696,7 +725,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
                   "under TRITON_INTERPRET=1); the custom op runs the reference there")
     if configs is None:
         configs = gemm_configs(m_bucket(m), n, k, fp8, interpreted=not a.is_cuda)
-    kernel = _tuner(module, configs)
+        # start from the knowledge base's winner for this key, if it has one
+        tuning = _tuning_key(module, a, bias, p, activation, out_dtype, use_tma,
+                             fp8 and not fp8_fast_accum)
+        configs = kb_tuning.configs_for(tuning, configs, _config_from_params)
+    kernel = _tuner(module, configs, tuning)
 
     dummy = out  # a pointer for absent operands: never read (their flags are off)
     sa = scale_a.reshape(-1) if scale_a is not None else dummy
@@ -727,6 +760,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
             HAS_SCALES=fp8, HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation],
             HAS_GATE=g is not None, HAS_RESIDUAL=r is not None,
         )
+    if tuning is not None:
+        kb_tuning.record_winner(tuning, kernel)
     return out
 
 

@@ -2,7 +2,9 @@
 
 Each pass runs on a copy of the graph; the copy is kept only if it passes verification at the
 pass's declared tier. A pass that fails is retried site by site (bisecting), keeping the sites
-that verify and reporting the ones reverted.
+that verify and reporting the ones reverted. With a cost model (``kopt.cost.CostModel``), each
+pass's predicted saving is recorded (the ranking) and a pass predicted to lose on this workload
+is not applied, with the prediction as the reason.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
 from kopt.graph import copy_graph_module
+from kopt.kb.verdicts import pipeline_run
 from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
@@ -32,6 +35,9 @@ from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.patterns.rowwise_fusion import ROWWISE_FUSIONS
 from kopt.verify import VerifyOptions, compare
+
+if TYPE_CHECKING:
+    from kopt.cost import CostModel, PassPrediction, Ranking
 
 log = logging.getLogger("kopt")
 
@@ -67,11 +73,15 @@ class PassManager:
         config: PassConfig = PassConfig(),
         verify: VerifyOptions = VerifyOptions(),
         dump_dir: Path | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         self.config = config
         self.verify = verify
         self.dump_dir = Path(dump_dir) if dump_dir else None
         self.passes = build_passes(config)
+        self.cost = cost
+        self.predictions: list[PassPrediction] = []
+        self.ranking: Ranking | None = None  # after run, with a cost model
 
     def uuid(self) -> str:
         h = hashlib.sha256(repr(self.config).encode())
@@ -83,11 +93,18 @@ class PassManager:
         self, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> tuple[fx.GraphModule, list[PassResult]]:
         results: list[PassResult] = []
+        captured = gm
         self._dump(gm, "00_captured")
         self._dump_patterns()
+        kb = pipeline_run(gm, example_inputs)  # knowledge base: dead ends to skip, verdicts
         for i, p in enumerate(self.passes, start=1):
+            if (skipped := kb.skip(p, gm)) is not None:
+                results.append(skipped)
+                continue
             candidate = copy_graph_module(gm)
             result = p.run(candidate)
+            if self.cost is not None:
+                candidate, result = self._gate(p, i, gm, candidate, result)
             verdict = None
             log.info("kopt: [%d/%d] %s: %d rewrites in %.2f s%s", i, len(self.passes), p.name,
                      result.matched, result.seconds,
@@ -105,7 +122,26 @@ class PassManager:
             self._dump(gm, f"{i:02d}_{p.name}")
         for region in cached_regions(gm):
             region.clear()  # drop what verification's random inputs left in the caches
+        kb.record(results, self.passes)
+        if self.cost is not None:
+            self.ranking = self.cost.ranking(captured, gm, self.predictions)
         return gm, results
+
+    def _gate(
+        self, p: Pass, i: int, gm: fx.GraphModule, candidate: fx.GraphModule,
+        result: PassResult,
+    ) -> tuple[fx.GraphModule, PassResult]:
+        """Record the pass's predicted saving; undo it where it is predicted to lose. Work on
+        parameters alone counts as load-time work while ``fold_constants`` is still to run."""
+        folded = any(isinstance(q, FoldConstants) for q in self.passes[i:])
+        prediction = self.cost.judge_pass(p.name, gm, candidate, result, folded=folded)
+        self.predictions.append(prediction)
+        if prediction.applied:
+            return candidate, result
+        log.info("kopt: %s %s", p.name, prediction.reason)
+        return gm, replace(result, matched=0, sites=(), details=(), site_nodes=(),
+                           nodes_after=result.nodes_before,
+                           notes=(*result.notes, f"skipped: {prediction.reason}"))
 
     def _salvage(
         self, p: Pass, gm: fx.GraphModule, example: Sequence[Any], first: PassResult,

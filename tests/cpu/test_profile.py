@@ -46,3 +46,54 @@ def test_cli_profile_prints_the_top_nodes_and_writes_trace_and_json(tmp_path, ca
     assert "traceEvents" in json.loads(trace.read_text())
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["nodes"] and data["unattributed"] == {}
+
+
+def test_op_categories() -> None:
+    from kopt.profile import op_category
+
+    table = {
+        "aten::mm": "gemm", "aten::addmm": "gemm", "aten::bmm": "gemm", "aten::linear": "gemm",
+        "aten::_scaled_mm": "gemm", "kopt::fp8_gemm": "gemm", "kopt::fp8_blockwise_mm": "gemm",
+        "kopt::bf16_gemm": "gemm",
+        "aten::scaled_dot_product_attention": "attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "aten::_scaled_dot_product_cudnn_attention": "attention",
+        "kopt::quant_fp8_rowwise": "quantization", "kopt::quant_fp8_group": "quantization",
+        "kopt::act_quant_fp8_rowwise": "quantization",
+        "kopt::rowwise": "elementwise", "kopt::qk_norm_rope": "elementwise",
+        "aten::add": "elementwise", "aten::layer_norm": "elementwise",
+        "aten::mm_like": "elementwise",
+    }
+    assert {name: op_category(name) for name in table} == table
+
+
+def test_categories_split_the_call_and_add_up_to_the_wall_time() -> None:
+    """With FP8 on, the LLM's time falls into all four categories plus launch gaps; every
+    category's time is that of its nodes (a node's op decides), and the parts sum to the wall
+    time per call."""
+    from kopt.profile import CATEGORIES, GAPS
+
+    w = build("llm-tiny")
+    config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
+    opt = kopt.optimize(w.model, w.args, w.kwargs, config,
+                        verify=kopt.VerifyOptions(enabled=False))
+    gm = opt.graph_module
+    a = profile_graph(gm, flatten_inputs(w.args, w.kwargs)[0], iters=2)
+    cats = {c.name: c for c in a.categories()}
+    assert list(cats) == [*CATEGORIES, GAPS]
+    assert all(cats[name].ms > 0 for name in CATEGORIES)
+    for name in CATEGORIES:
+        members = [c for c in a.nodes.values() if c.category == name]
+        assert abs(cats[name].ms - sum(c.ms for c in members)) < 1e-9
+        assert cats[name].flops == sum(c.flops for c in members)
+    assert {c.op for c in a.nodes.values() if c.category == "gemm"} >= {"_scaled_mm.default"}
+    assert {c.op for c in a.nodes.values() if c.category == "quantization"} >= {
+        "act_quant_fp8_rowwise.default"}
+    assert cats["attention"].flops == 0  # FlopCounterMode counts no CPU attention kernel
+    assert abs(sum(c.ms for c in cats.values()) - a.total_ms) < 1e-6 * a.total_ms
+    assert cats[GAPS].ms == a.total_ms - a.busy_ms > 0
+    # each node's least call is at most its mean, and on the CPU its host time is its time
+    timed = [c for c in a.nodes.values() if c.ms > 0]
+    assert all(0 < c.min_ms <= c.ms + 1e-12 and c.host_ms == c.ms for c in timed)
+    text = a.format(5)
+    assert all(name in text for name in (*CATEGORIES, GAPS))

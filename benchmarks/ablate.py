@@ -1,0 +1,169 @@
+"""Pass-by-pass ablation on the GPU, and the cost model's predictions held against it.
+
+    python benchmarks/ablate.py --model qwen-image --out-dir benchmarks/results/DATE/ablate-w1
+    python benchmarks/ablate.py --model qwen-image --shape height=512 --shape width=512 \
+        --out-dir ...
+    python benchmarks/ablate.py --model flux2 --fp8 --out-dir ...
+    python benchmarks/ablate.py --model llm --shape mode=decode --out-dir ...
+
+1. Build the workload on CUDA, capture it once, optimize it with every pass (no verification).
+2. Fit the device model to profiles of the captured and the optimized graph (base: the shipped
+   H200 model: its peaks, bandwidth and CUDA-graph launch cost) -> ``device_model.json``.
+3. Ablate with that model ranking the passes: baseline, each pass alone, cumulative in rank
+   order, leave-one-out; eager and CUDA-graph times; numerics verdict per row (``--seeds 0``:
+   not verified) -> ``ablation.md``, ``ablation.json``, ``waterfall.png``.
+4. Compare predicted and measured ms saved per pass (alone, leave-one-out, and the ranking's
+   in-pipeline prediction against leave-one-out): share within +-30 %, Spearman rank
+   correlation -> ``comparison.json``, appended to ``ablation.md``.
+
+The fit uses the same workload it then predicts (a calibration run); hold it against another
+shape with ``--device-model PATH`` (a ``device_model.json`` from an earlier run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kopt.ablate import KINDS, Ablation, ablate, spearman
+from kopt.api import optimize_captured
+from kopt.capture import capture_module
+from kopt.cost import H200, CostModel, DeviceModel, calibrate, known_device
+from kopt.models import build
+from kopt.passes import FP8Config, PassConfig
+from kopt.passes.config import LAYOUTS
+from kopt.verify import VerifyOptions
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOLERANCE = 0.30  # the issue's bound on |predicted - measured| / |measured|
+
+
+def compare(result: Ablation) -> dict:
+    """Predicted vs measured ms saved per pass, for each kind and execution mode measured."""
+    out: dict = {}
+    graphs = [False] + ([True] if any(r.graph_ms is not None for r in result.rows) else [])
+    loo = {}
+    for g in graphs:
+        mode = "graph" if g else "eager"
+        loo[mode] = result.savings("leave-one-out", graphs=g)
+        pairs = {f"{kind}/{mode}": result.savings(kind, graphs=g)
+                 for kind in ("alone", "leave-one-out")}
+        if result.ranking is not None and not g:  # the ranking's in-pipeline prediction
+            # (eager) vs all-but-this-pass measured
+            pairs[f"ranking-vs-leave-one-out/{mode}"] = {
+                p.name: (p.saved_ms, loo[mode][p.name][1]) for p in result.ranking.passes
+                if p.name in loo[mode]}
+        for key, s in pairs.items():
+            rows = {name: {"predicted_ms": p, "measured_ms": m,
+                           "relative_error": None if p is None or m == 0 else (p - m) / abs(m),
+                           "within": p is not None and abs(p - m) <= TOLERANCE * abs(m)}
+                    for name, (p, m) in s.items()}
+            both = [(r["predicted_ms"], r["measured_ms"]) for r in rows.values()
+                    if r["predicted_ms"] is not None]
+            out[key] = {
+                "passes": rows,
+                "within_30pct": sum(r["within"] for r in rows.values()),
+                "of": len(rows),
+                "spearman": spearman(*zip(*both, strict=True)) if len(both) >= 2 else None,
+            }
+    return out
+
+
+def parse_shape(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def format_comparison(c: dict) -> str:
+    lines = ["", "### Cost model vs measurement", "",
+             "| comparison | passes within +-30% | Spearman |", "|---|---|---|"]
+    for key, v in c.items():
+        rho = "-" if v["spearman"] is None else f"{v['spearman']:.2f}"
+        lines.append(f"| {key} | {v['within_30pct']} / {v['of']} | {rho} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen-image")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu: a smoke run")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--fp8", action="store_true", help="FP8 linears (rowwise unless --fp8-layout)")
+    p.add_argument("--fp8-layout", choices=LAYOUTS, default="rowwise")
+    p.add_argument("--disable", action="append", default=[], metavar="PASS")
+    p.add_argument("--pass", dest="passes", action="append", default=[], metavar="PASS",
+                   help="ablate only these passes (default: every enabled one)")
+    p.add_argument("--kind", dest="kinds", action="append", default=[], choices=KINDS)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=1, help="verification seeds (0: none)")
+    p.add_argument("--device-model", default="fit", metavar="fit|h200|PATH")
+    p.add_argument("--profile-iters", type=int, default=3)
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    config = PassConfig().replace(**{name: False for name in args.disable})
+    if args.fp8:
+        config = config.replace(fp8=FP8Config(layout=args.fp8_layout))
+    t0 = time.perf_counter()
+    w = build(args.model, device=args.device, dtype=DTYPES[args.dtype],
+              **parse_shape(args.shape))
+    print(f"{w.description}; built in {time.perf_counter() - t0:.1f} s", flush=True)
+    cap = capture_module(w.model, w.args, w.kwargs)
+    print(f"captured in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    cuda = args.device.startswith("cuda")
+    name = torch.cuda.get_device_name(args.device) if cuda else "cpu"
+    base = (known_device(name) or H200) if cuda else None  # the CPU: measured ceilings
+    if args.device_model == "fit":
+        full = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0)
+        device = calibrate([(cap.gm, cap.example_inputs), (full.gm, cap.example_inputs)],
+                           base=base, iters=args.profile_iters)
+        del full
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    elif args.device_model == "h200":
+        device = H200
+    else:
+        device = DeviceModel.load(args.device_model)
+    device.save(out / "device_model.json")
+    print(f"device model: {device.describe()}", flush=True)
+
+    result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
+                    cost=CostModel(device, calls_per_step=w.calls_per_step), iters=args.iters,
+                    warmup=args.warmup, captured=cap,
+                    verify=VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(args.seeds))),
+                    progress=lambda s: print(s, flush=True))
+    result.device = name
+    comparison = compare(result)
+    command = "python benchmarks/ablate.py " + " ".join(sys.argv[1:])
+    text = (f"`{command}`: {w.description}\n\n" + result.markdown() + "\n"
+            + format_comparison(comparison))
+    (out / "ablation.md").write_text(text)
+    (out / "ablation.json").write_text(result.to_json())
+    (out / "comparison.json").write_text(json.dumps({"command": command, **comparison},
+                                                    indent=1))
+    try:
+        result.waterfall(out / "waterfall.png")
+    except ImportError:
+        print("no matplotlib: waterfall.png not written (pip install matplotlib)")
+    print(text)
+    print(f"written to {out}/")
+
+
+if __name__ == "__main__":
+    main()

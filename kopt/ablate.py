@@ -1,0 +1,407 @@
+"""Pass-by-pass ablation: what each pass is worth end to end, measured and predicted.
+
+From one capture, every variant is optimized anew (ablation is flipping ``PassConfig``
+fields) and timed per call:
+
+* ``baseline``: no pass (the captured graph as it is);
+* ``alone``: each pass by itself on the baseline;
+* ``cumulative``: the passes added one by one in the cost model's rank order (the last row is
+  every pass);
+* ``leave-one-out``: every pass but one.
+
+Each row has the median time per call in eager mode and, on CUDA, replayed from a CUDA graph;
+the cost model's prediction for the same graph; the rewrites applied; and the numerics verdict
+(every pass of the variant verified at its tier, as ``kopt optimize`` does) with the output's
+relative error against the baseline. The calls are made as the workload's caller makes them:
+floating-point step inputs (the timestep) take a new value every ``calls_per_step`` calls, so a
+hoisted region misses once per step, as in a denoising loop, instead of hitting forever.
+
+Writers: a Markdown table (with predicted vs measured saving per pass and their Spearman rank
+correlation), JSON, and a waterfall chart (PNG, matplotlib) of the cumulative rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from kopt.api import optimize_captured
+from kopt.bench import median_ms
+from kopt.capture import Captured, capture_module, flatten_inputs
+from kopt.cost import CostModel, Ranking
+from kopt.cudagraphs import CudaGraphRunner
+from kopt.models import Workload
+from kopt.passes import PassConfig
+from kopt.verify import VerifyOptions, relative_error
+
+log = logging.getLogger("kopt")
+
+KINDS = ("alone", "cumulative", "leave-one-out")
+# distinct step inputs cycled through: more than a hoisted region keeps entries for
+STEPS = 4
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # baseline, alone, cumulative, leave-one-out
+    passes: tuple[str, ...]  # the passes it enables, pipeline order
+    config: PassConfig
+    subject: str | None = None  # the pass run alone, added, or left out
+
+
+@dataclass(frozen=True)
+class Row:
+    variant: str
+    kind: str
+    subject: str | None  # the pass run alone, added, or left out
+    passes: tuple[str, ...]
+    ms: float  # median per call, eager
+    graph_ms: float | None  # median per call replayed from a CUDA graph (CUDA only)
+    predicted_ms: float | None
+    predicted_graph_ms: float | None
+    sites: int  # rewrites applied
+    verified: bool | None  # None: not verified
+    verdict: str
+    error: float | None  # relative error of the main output against the baseline's
+
+
+@dataclass
+class Ablation:
+    model: str
+    device: str
+    dtype: str
+    calls_per_step: int
+    iters: int
+    order: tuple[str, ...]  # rank order (predicted saving), the cumulative rows' order
+    rows: list[Row] = field(default_factory=list)
+    ranking: Ranking | None = None
+    device_model: str = ""
+    date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M"))
+    torch_version: str = torch.__version__
+
+    @property
+    def baseline(self) -> Row:
+        return self.row("baseline")
+
+    def row(self, variant: str) -> Row:
+        for r in self.rows:
+            if r.variant == variant:
+                return r
+        raise KeyError(f"no ablation row {variant!r}")
+
+    def savings(self, kind: str, graphs: bool = False) -> dict[str, tuple[float | None, float]]:
+        """Per pass that rewrote something there: (predicted, measured) ms per call saved.
+        ``alone``: baseline minus the pass alone; ``leave-one-out``: all but the pass minus all;
+        ``cumulative``: the step the pass adds in rank order. ``graphs``: CUDA-graph times."""
+        def ms(r: Row) -> float | None:
+            return r.graph_ms if graphs else r.ms
+
+        def pred(r: Row) -> float | None:
+            return r.predicted_graph_ms if graphs else r.predicted_ms
+
+        out: dict[str, tuple[float | None, float]] = {}
+        every = self._all()
+        prev = self.baseline
+        for r in (r for r in self.rows if r.kind == kind):
+            if kind == "alone":
+                a, b = self.baseline, r
+            elif kind == "leave-one-out":
+                a, b = r, every
+            else:
+                a, b, prev = prev, r, r
+            # a pass that rewrote nothing here leaves the same graph: its difference is noise
+            if ms(a) is None or ms(b) is None or a.sites == b.sites:
+                continue
+            p = None if pred(a) is None or pred(b) is None else pred(a) - pred(b)
+            out[r.subject] = (p, ms(a) - ms(b))
+        return out
+
+    def _all(self) -> Row:
+        cumulative = [r for r in self.rows if r.kind == "cumulative"]
+        if cumulative:
+            return cumulative[-1]
+        return max(self.rows, key=lambda r: len(r.passes))
+
+    def markdown(self) -> str:
+        base = self.baseline
+        graphs = any(r.graph_ms is not None for r in self.rows)
+        head = (f"### Ablation: {self.model}, {self.dtype} on {self.device} "
+                f"({self.date}, torch {self.torch_version})\n\n"
+                f"Median of {self.iters} timed steps of {self.calls_per_step} call(s), per call. "
+                f"Predicted: {self.device_model or 'no cost model'}.\n\n")
+        cols = ["variant", "sites", "ms/call", "saved"]
+        if graphs:
+            cols += ["ms/call (CUDA graph)", "saved (graph)"]
+        cols += ["predicted ms", "predicted saved", "numerics", "rel. error vs baseline"]
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.rows:
+            cells = [r.variant, str(r.sites), f"{r.ms:.4g}", _pct(base.ms - r.ms, base.ms)]
+            if graphs:
+                cells += ["-" if r.graph_ms is None else f"{r.graph_ms:.4g}",
+                          "-" if r.graph_ms is None or base.graph_ms is None
+                          else _pct(base.graph_ms - r.graph_ms, base.graph_ms)]
+            cells += ["-" if r.predicted_ms is None else f"{r.predicted_ms:.4g}",
+                      "-" if r.predicted_ms is None or base.predicted_ms is None
+                      else _pct(base.predicted_ms - r.predicted_ms, base.predicted_ms),
+                      r.verdict.replace("|", "/"),
+                      "-" if r.error is None else f"{r.error:.2e}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        out = head + "\n".join(lines)
+        for kind in ("alone", "leave-one-out"):
+            s = self.savings(kind)
+            if not s:
+                continue
+            out += (f"\n\nPredicted vs measured ms saved per call ({kind}):\n\n"
+                    "| pass | predicted | measured | predicted / measured |\n|---|---|---|---|\n")
+            for name, (p, m) in s.items():
+                ratio = "-" if p is None or m == 0 else f"{p / m:.2f}"
+                out += f"| {name} | {'-' if p is None else f'{p:.4g}'} | {m:.4g} | {ratio} |\n"
+            pairs = [(p, m) for p, m in s.values() if p is not None]
+            if len(pairs) >= 2:
+                rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
+                out += f"\nSpearman rank correlation: {rho:.2f} over {len(pairs)} passes\n"
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "model": self.model, "device": self.device, "dtype": self.dtype,
+            "calls_per_step": self.calls_per_step, "iters": self.iters, "date": self.date,
+            "torch": self.torch_version, "device_model": self.device_model,
+            "order": list(self.order),
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "savings": {k: self.savings(k) for k in KINDS},
+            "ranking": None if self.ranking is None else [
+                {"pass": p.name, "sites": p.sites, "predicted_saved_ms": p.saved_ms,
+                 "applied": p.applied, "reason": p.reason} for p in self.ranking.ranked()],
+        }, indent=1)
+
+    def waterfall(self, path: str | Path) -> None:
+        """The cumulative rows as a waterfall: each pass's bar spans the time per call before
+        and after it (green: faster, red: slower), predicted times as markers; one panel per
+        execution mode measured."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [self.baseline] + [r for r in self.rows if r.kind == "cumulative"]
+        modes = [("eager", "ms", "predicted_ms")]
+        if all(r.graph_ms is not None for r in steps):
+            modes.append(("CUDA graph", "graph_ms", "predicted_graph_ms"))
+        fig, axes = plt.subplots(len(modes), 1, figsize=(max(6.0, 1.1 * len(steps) + 2), 4.2 *
+                                                          len(modes)), squeeze=False)
+        labels = ["baseline"] + [f"+ {r.subject}" for r in steps[1:]] + ["kopt"]
+        for ax, (mode, key, pkey) in zip(axes[:, 0], modes, strict=True):
+            values = [getattr(r, key) for r in steps]
+            ax.bar(0, values[0], color="#7f7f7f")
+            for i in range(1, len(values)):
+                lo, hi = sorted((values[i - 1], values[i]))
+                ax.bar(i, hi - lo, bottom=lo,
+                       color="#2ca02c" if values[i] <= values[i - 1] else "#d62728")
+            ax.bar(len(values), values[-1], color="#1f77b4")
+            predicted = [getattr(r, pkey) for r in steps]
+            if all(p is not None for p in predicted):
+                ax.plot(range(len(predicted)), predicted, "k_", markersize=18,
+                        label="predicted (cost model)")
+                ax.legend(loc="upper right", fontsize=8)
+            ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
+            ax.set_ylabel("ms per call")
+            ax.set_title(f"{self.model} on {self.device}, {mode}: {values[0]:.3g} -> "
+                         f"{values[-1]:.3g} ms per call", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _pct(saved: float, base: float) -> str:
+    return f"{saved:+.4g} ({saved / base:+.1%})" if base else f"{saved:+.4g}"
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their average rank); nan when either side is
+    constant."""
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    vy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (vx * vy) if vx and vy else float("nan")
+
+
+def _off(name: str) -> Any:
+    """The value of PassConfig field ``name`` that turns its pass off."""
+    return False if isinstance(getattr(PassConfig(), name), bool) else None
+
+
+def variants(config: PassConfig, order: Sequence[str],
+             kinds: Sequence[str] = KINDS) -> list[Variant]:
+    """Baseline, then the rows of ``kinds`` over the passes ``config`` enables; ``order`` is
+    the cumulative rows' order (passes of ``config`` not in it are appended)."""
+    on = config.enabled()
+    none = PassConfig(**{p: _off(p) for p in PassConfig.pass_names()})
+    out = [Variant("baseline", "baseline", (), none)]
+    if "alone" in kinds:
+        out += [Variant(f"{p} alone", "alone", (p,), none.replace(**{p: getattr(config, p)}), p)
+                for p in on]
+    if "cumulative" in kinds:
+        ranked = [p for p in order if p in on] + [p for p in on if p not in order]
+        for k in range(1, len(ranked) + 1):
+            chosen = set(ranked[:k])
+            cfg = none.replace(**{p: getattr(config, p) for p in chosen})
+            out.append(Variant(f"+ {ranked[k - 1]}", "cumulative",
+                               tuple(p for p in on if p in chosen), cfg, ranked[k - 1]))
+    if "leave-one-out" in kinds:
+        out += [Variant(f"all - {p}", "leave-one-out", tuple(q for q in on if q != p),
+                        config.replace(**{p: _off(p)}), p) for p in on]
+    return out
+
+
+def step_inputs(w: Workload, steps: int = STEPS) -> list[list[Any]]:
+    """Flat inputs of ``steps`` consecutive steps: the workload's floating-point step inputs
+    (timestep, guidance) scaled per step into new tensors, the rest as they are."""
+    out = []
+    for s in range(steps):
+        kwargs = dict(w.kwargs)
+        for k in w.step_invariant:
+            v = kwargs.get(k)
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                kwargs[k] = v * (1.0 - 0.1 * s)
+        out.append(flatten_inputs(w.args, kwargs)[0])
+    return out
+
+
+def _stepper(inputs: Iterator[list[Any]], calls: int) -> Callable[[Callable[..., Any]], None]:
+    """One step: ``calls`` calls of a runner on the next step's inputs."""
+    def step(fn: Callable[..., Any]) -> None:
+        flat = next(inputs)
+        for _ in range(calls):
+            fn(*flat)
+    return step
+
+
+def _main(out: Any) -> torch.Tensor:
+    return next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[str] | None = None,
+           kinds: Sequence[str] = KINDS, cost: CostModel | None = None, iters: int = 10,
+           warmup: int = 3, verify: VerifyOptions = VerifyOptions(),
+           captured: Captured | None = None,
+           progress: Callable[[str], None] = log.info) -> Ablation:
+    """Ablate the passes ``config`` enables (or only ``passes`` of them) on workload ``w``.
+
+    ``cost``: ranks the passes (the cumulative order) and predicts each row; without it the
+    order is the pipeline's. ``captured``: reuse a capture of ``w``.
+    """
+    if passes is not None:
+        unknown = set(passes) - set(config.enabled())
+        if unknown:
+            raise ValueError(f"passes {sorted(unknown)} are not enabled in the config")
+        config = config.replace(**{p: _off(p) for p in config.enabled() if p not in passes})
+    cap = captured or capture_module(w.model, w.args, w.kwargs)
+    inputs = step_inputs(w)
+    device = next((t.device for t in cap.example_inputs if isinstance(t, torch.Tensor)),
+                  torch.device("cpu"))
+    cuda = device.type == "cuda"
+    ranking = None
+    order: tuple[str, ...] = config.enabled()
+    if cost is not None:
+        everything = dataclasses.replace(cost, min_saving_ms=-math.inf)  # rank, skip nothing
+        spec = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0,
+                                 cost=everything)
+        ranking = spec.report.ranking
+        order = tuple(p.name for p in ranking.ranked() if p.name in config.enabled())
+        del spec
+    result = Ablation(w.name, str(device), str(next(
+        (t.dtype for t in cap.example_inputs if isinstance(t, torch.Tensor)
+         and t.is_floating_point()), torch.float32)).removeprefix("torch."), w.calls_per_step,
+        iters,
+        order, ranking=ranking, device_model=cost.device.describe() if cost else "")
+    with torch.no_grad():
+        reference = _main(cap.gm(*cap.example_inputs)).detach().clone()
+    measured: dict[PassConfig, Row] = {}
+    for v in variants(config, order, kinds):
+        known = measured.get(v.config)
+        if known is not None:  # the same passes under another name: measured once
+            result.rows.append(dataclasses.replace(known, variant=v.name, kind=v.kind,
+                                                   subject=v.subject))
+            continue
+        row = _measure(v, w, cap, verify, cost, reference, inputs, iters, warmup)
+        measured[v.config] = row
+        result.rows.append(row)
+        progress(f"ablate {v.name}: {row.ms:.4g} ms per call"
+                 + (f", {row.graph_ms:.4g} ms in a CUDA graph" if row.graph_ms is not None
+                    else "")
+                 + (f", predicted {row.predicted_ms:.4g}" if row.predicted_ms is not None
+                    else "")
+                 + f"; {row.verdict}")
+        gc.collect()  # the variant's packed weights and caches
+        if cuda:
+            torch.cuda.empty_cache()
+    return result
+
+
+def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
+             cost: CostModel | None, reference: torch.Tensor, inputs: list[list[Any]],
+             iters: int, warmup: int) -> Row:
+    """Optimize the capture with the variant's config (verified), time it, predict it."""
+    spec = optimize_captured(cap, v.config, verify, None, f"{w.name} [{v.name}]", 0.0)
+    gm, calls = spec.gm, w.calls_per_step
+    device = reference.device
+    step = _stepper(itertools.cycle(inputs), calls)
+    with torch.no_grad():
+        error = relative_error(_main(gm(*cap.example_inputs)), reference)
+        ms = median_ms(lambda: step(gm), iters, warmup, device) / calls
+        graph_ms = None
+        if device.type == "cuda":
+            runner = CudaGraphRunner(gm)
+            graph_ms = median_ms(lambda: step(runner), iters, warmup, device) / calls
+    predicted = predicted_graph = None
+    if cost is not None:
+        predicted = dataclasses.replace(cost, cuda_graphs=False).graph(gm).total_ms
+        if device.type == "cuda":
+            predicted_graph = dataclasses.replace(cost, cuda_graphs=True).graph(gm).total_ms
+    verified, verdict = _verdict(spec.report, verify)
+    return Row(v.name, v.kind, v.subject, v.passes, ms, graph_ms, predicted, predicted_graph,
+               spec.report.applied, verified, verdict, error)
+
+
+def _verdict(report: Any, verify: VerifyOptions) -> tuple[bool | None, str]:
+    """(verified, verdict text) of one variant's report."""
+    if not verify.enabled:
+        return None, "not verified"
+    judged = [r for r in report.passes if r.verdict is not None]
+    if not judged:
+        return None, "nothing to verify"
+    failed = [r for r in judged if not r.verdict.passed]
+    if failed:
+        return False, "FAILED: " + "; ".join(f"{r.name}: {r.verdict.detail}" for r in failed)
+    reverted = sum(len(r.reverted) for r in judged)
+    return True, (f"passed ({len(judged)} pass{'es' if len(judged) > 1 else ''} verified"
+                  + (f", {reverted} sites reverted)" if reverted else ")"))

@@ -1,0 +1,305 @@
+"""Fitting a device model to a profiler trace.
+
+Input: graphs and their :class:`kopt.profile.Attribution` (measured time per node). Each node
+with measured time is one equation; the model's time is linear in its unknown parameters once
+the roofline time of each node is known::
+
+    measured_i ~ launches_i x kernel_us + roofline_i x (1 / efficiency[kind_i])   (device time)
+    host_i     ~ launches_i x launch_us + views_i x view_us                       (host time)
+
+On a CPU the two are one (the op's self time), so one system gives launch_us (per op),
+view_us and the efficiencies. On CUDA the kernel durations give kernel_us and the efficiencies,
+the ops' CPU times give launch_us and view_us, and the kernels each op launched give
+``kernels_per_op``.
+
+Solved by non-negative least squares on relative errors (each equation divided by its measured
+value), so a 5 us element-wise op weighs as much as a 5 ms GEMM and the fixed costs are set by
+the many small ops. The ops' own times miss what the host spends between them (the graph's
+Python): given each graph's measured wall time per call (:func:`calibrate` measures it), that
+is fitted as ``node_us``, a host cost per node. Each node's time is the least over the profiled
+calls (``NodeCost.min_ms``) and each wall time the least of the timed calls: on a shared
+machine the least disturbed sample is the one that measures the device.
+
+Peaks and bandwidth come from ``base`` (a datasheet model); without one (a CPU) they are the
+device's measured ceilings: the best rate any node of the trace reached.
+An op gets its own fixed cost and efficiency when the trace has ``min_nodes`` of it at sizes
+that tell the two apart, else its category's, else those shared by every other kernel
+(``kernel_us`` and ``efficiency["*"]``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from kopt.bench import median_ms
+from kopt.cost.counts import OpCount, count_graph
+from kopt.cost.device import DeviceModel
+from kopt.profile import Attribution, NodeCost, profile_graph
+
+# The time a profiler gives an op below this is mostly its own overhead: not a rate sample.
+MIN_RATE_SAMPLE_MS = 1e-3
+
+
+@dataclass(frozen=True)
+class _Sample:
+    count: OpCount
+    cost: NodeCost
+
+    @property
+    def ms(self) -> float:
+        return self.cost.min_ms or self.cost.ms
+
+
+def _samples(pairs: Sequence[tuple[fx.GraphModule, Attribution]]) -> list[_Sample]:
+    """Nodes with measured time, top-level only (a hoisted region's time is its cache check
+    on the profiled repeat calls, not its nodes')."""
+    out = []
+    for gm, attribution in pairs:
+        for c in count_graph(gm):
+            cost = attribution.nodes.get(c.node)
+            if "/" not in c.node and cost is not None and (cost.ms > 0 or cost.host_ms > 0):
+                out.append(_Sample(c, cost))
+    return out
+
+
+def measured_ceilings(samples: Sequence[_Sample]) -> tuple[dict[str, float], float]:
+    """(peak TFLOP/s by dtype, GB/s): the best any node reached."""
+    peaks: dict[str, float] = {}
+    bandwidth = 0.0
+    for s in samples:
+        if not s.count.kernel or s.ms < MIN_RATE_SAMPLE_MS:
+            continue
+        if s.count.flops:
+            rate = s.count.flops / s.ms / 1e9
+            peaks[s.count.dtype] = max(peaks.get(s.count.dtype, 0.0), rate)
+        bandwidth = max(bandwidth, s.count.bytes / s.ms / 1e6)
+    return peaks or {"float32": 1.0}, bandwidth or 1.0
+
+
+def nnls(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-12) -> torch.Tensor:
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method), fp64."""
+    a, b = a.double(), b.double()
+    scale = a.norm(dim=0).clamp_min(1e-300)  # columns of very different magnitudes
+    a = a / scale
+    n = a.shape[1]
+    x = torch.zeros(n, dtype=torch.float64)
+    passive = torch.zeros(n, dtype=torch.bool)
+
+    def solve(mask: torch.Tensor) -> torch.Tensor:
+        z = torch.zeros(n, dtype=torch.float64)
+        z[mask] = torch.linalg.lstsq(a[:, mask], b.unsqueeze(1), driver="gelsd").solution[:, 0]
+        return z
+
+    for _ in range(3 * n + 10):
+        w = a.T @ (b - a @ x)
+        free = ~passive
+        if not free.any() or w[free].max() <= tol:
+            break
+        j = int(torch.where(free, w, torch.tensor(-torch.inf, dtype=torch.float64)).argmax())
+        passive[j] = True
+        z = solve(passive)
+        while (z[passive] <= tol).any():
+            neg = passive & (z <= tol)
+            alpha = (x[neg] / (x[neg] - z[neg])).min()
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            z = solve(passive)
+        x = z
+    return x / scale
+
+
+# The group of the kernels whose op and category have too little variety of their own.
+ANY_KERNEL = "*"
+# Sizes must span this factor (in roofline time) to tell a fixed cost from a rate.
+SPREAD = 4.0
+
+
+def _groups(samples: Sequence[_Sample], roof: Sequence[float], min_nodes: int) -> dict[str, str]:
+    """op -> the key of its (fixed cost, efficiency) pair: the op itself where the trace has
+    ``min_nodes`` kernels of it whose sizes span :data:`SPREAD`, else its category where the
+    rest of the category's kernels do, else :data:`ANY_KERNEL`. A rate measured at one size
+    alone cannot be told from a fixed cost."""
+    by_op: dict[str, list[float]] = defaultdict(list)
+    category: dict[str, str] = {}
+    for s, r in zip(samples, roof, strict=True):
+        if s.count.kernel and s.ms > 0:
+            by_op[s.count.op].append(r)
+            category[s.count.op] = s.count.category
+
+    own = {op for op, v in by_op.items() if _varied(v, min_nodes)}
+    by_category: dict[str, list[float]] = defaultdict(list)
+    for op, v in by_op.items():
+        if op not in own:
+            by_category[category[op]].extend(v)
+    pooled = {c for c, v in by_category.items() if _varied(v, min_nodes)}
+    return {op: op if op in own else category[op] if category[op] in pooled else ANY_KERNEL
+            for op in by_op}
+
+
+def _varied(roof: Sequence[float], min_nodes: int = 1) -> bool:
+    return len(roof) >= min_nodes and min(roof) > 0 and max(roof) >= SPREAD * min(roof)
+
+
+def fit(pairs: Sequence[tuple[fx.GraphModule, Attribution]], base: DeviceModel | None = None,
+        *, wall_ms: Sequence[float] | None = None, min_nodes: int = 3,
+        name: str | None = None) -> DeviceModel:
+    """A device model fitted to the measured times of ``pairs`` (graph, its attribution).
+
+    ``base``: the datasheet model of the device (peaks, bandwidth, the CUDA-graph launch cost
+    a profile of eager calls cannot see); without one the ceilings are the measured ones and
+    the device is taken to be synchronous (a CPU). ``wall_ms``: each graph's measured time per
+    call outside the profiler, for the host overhead between ops.
+    """
+    samples = _samples(pairs)
+    if not samples:
+        raise ValueError("no node of the trace has measured time")
+    cuda = any(a.device == "cuda" for _, a in pairs)
+    if base is not None:
+        peaks, bandwidth = dict(base.peak_tflops), base.bandwidth_gbs
+    else:
+        peaks, bandwidth = measured_ceilings(samples)
+    ceiling = DeviceModel(name or (base.name if base else "cpu"), peaks, bandwidth)
+    kernels_per_op = _kernels_per_op(samples) if cuda else dict(base.kernels_per_op if base
+                                                                else {})
+    counted = ceiling.with_(kernels_per_op=kernels_per_op)
+
+    launches = [counted.launches(s.count) for s in samples]
+    roof = [ceiling.roofline_ms(s.count.flops, s.count.bytes, s.count.dtype) for s in samples]
+    group = _groups(samples, roof, min_nodes)
+
+    # device time per kernel: fixed cost + roofline / efficiency, one pair per group; on a CPU
+    # also the views' time. On a CPU the op's fixed cost holds its dispatch, which cannot be
+    # told apart from it (launch_us = 0 there).
+    dev = [i for i, s in enumerate(samples) if s.count.kernel and s.ms > 0]
+    views = [] if cuda else [i for i, s in enumerate(samples) if not s.count.kernel and s.ms > 0]
+    keys = sorted(set(group.values()))
+    # the shared group, if it saw one size only: its fixed cost is the other groups' (or the
+    # base's), its efficiency is fitted
+    shared_roof = [roof[i] for i in dev if group[samples[i].count.op] == ANY_KERNEL]
+    pinned = bool(shared_roof) and not _varied(shared_roof)
+    cols = ([("fixed", k) for k in keys if not (pinned and k == ANY_KERNEL)]
+            + [("eff", k) for k in keys] + ([("view", "")] if views else []))
+    index = {c: j for j, c in enumerate(cols)}
+
+    def solve(shared_fixed_us: float) -> list[float]:
+        rows = dev + views
+        a = torch.zeros(len(rows), len(cols), dtype=torch.float64)
+        y = torch.tensor([samples[i].ms for i in rows], dtype=torch.float64)
+        weight = 1 / y.clone()  # relative errors
+        for r, i in enumerate(rows):
+            if not samples[i].count.kernel:
+                a[r, index["view", ""]] = 1 / 1e3
+                continue
+            k = group[samples[i].count.op]
+            a[r, index["eff", k]] = roof[i]
+            if ("fixed", k) in index:
+                a[r, index["fixed", k]] = launches[i] / 1e3
+            else:
+                y[r] -= launches[i] * shared_fixed_us / 1e3
+        return nnls(a * weight.unsqueeze(1), y * weight).tolist()
+
+    x = solve(0.0)
+    fixed_us = {k: x[j] for (kind, k), j in index.items() if kind == "fixed"}
+    if pinned:
+        others = list(fixed_us.values())
+        fixed_us[ANY_KERNEL] = statistics.median(others) if others else (
+            base.kernel_us if base else 0.0)
+        x = solve(fixed_us[ANY_KERNEL])
+        fixed_us = {k: x[j] for (kind, k), j in index.items() if kind == "fixed"} | {
+            ANY_KERNEL: fixed_us[ANY_KERNEL]}
+    efficiency = {k: (1.0 / x[j] if x[j] > 0 else 1.0) for (kind, k), j in index.items()
+                  if kind == "eff"}
+    kernel_us = fixed_us.pop(ANY_KERNEL, base.kernel_us if base else (
+        statistics.median(fixed_us.values()) if fixed_us else 0.0))
+
+    if cuda:  # host time per launch and per view, from the ops' CPU times
+        hrows = [i for i, s in enumerate(samples) if s.cost.host_ms > 0]
+        ha = torch.tensor([[launches[i] / 1e3, 0.0 if samples[i].count.kernel else 1 / 1e3]
+                           for i in hrows], dtype=torch.float64)
+        hy = torch.tensor([samples[i].cost.host_ms for i in hrows], dtype=torch.float64)
+        launch_us, view_us = nnls(ha / hy.unsqueeze(1), torch.ones_like(hy)).tolist()
+    else:
+        launch_us, view_us = 0.0, (x[index["view", ""]] if views else 0.0)
+
+    model = counted.with_(
+        launch_us=launch_us, view_us=view_us, kernel_us=kernel_us, fixed_us=fixed_us,
+        efficiency=efficiency, graph_launch_us=(base.graph_launch_us if base else None),
+        asynchronous=cuda)
+    if wall_ms is not None:
+        model = model.with_(node_us=_node_us(model, [gm for gm, _ in pairs], wall_ms))
+    error = fit_error(model, pairs)
+    where = ", ".join(sorted({a.device for _, a in pairs}))
+    return model.with_(source=f"fitted to {len(samples)} nodes of {len(pairs)} {where} "
+                              f"trace(s); median relative error per node {error:.0%}")
+
+
+def _node_us(model: DeviceModel, graphs: Sequence[fx.GraphModule],
+             wall_ms: Sequence[float]) -> float:
+    """Host time per node not seen in the ops' own times: the median over the graphs of
+    (wall - modelled time) / nodes, where the host bounds the call (always on a CPU; on CUDA
+    where the wall time exceeds the modelled device time). Hoisted regions hit their caches in
+    repeated calls with the same inputs, so their nodes count as not run."""
+    per_node = []
+    for gm, wall in zip(graphs, wall_ms, strict=True):
+        counts = [c for c in count_graph(gm) if c.cached is None]
+        p = model.predict(counts)
+        if model.asynchronous:
+            if wall <= p.device_ms:
+                continue
+            per_node.append((wall - p.host_ms) / len(counts) * 1e3)
+        else:
+            per_node.append((wall - p.total_ms) / len(counts) * 1e3)
+    return max(statistics.median(per_node), 0.0) if per_node else 0.0
+
+
+def calibrate(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]],
+              base: DeviceModel | None = None, *, iters: int = 5,
+              name: str | None = None) -> DeviceModel:
+    """Profile each (graph, inputs), time it end to end, and fit a device model to both."""
+    pairs, walls = [], []
+    for gm, inputs in graphs:
+        pairs.append((gm, profile_graph(gm, inputs, iters=iters)))
+        walls.append(best_ms(gm, inputs, iters))
+    return fit(pairs, base, wall_ms=walls, name=name)
+
+
+def best_ms(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5) -> float:
+    """The least time per call of ``gm(*inputs)`` over ``iters`` calls (after a warm-up)."""
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)),
+                  torch.device("cpu"))
+    with torch.no_grad():
+        return min(median_ms(lambda: gm(*inputs), 1, warmup=1 if i == 0 else 0,
+                             device=device) for i in range(iters))
+
+
+def _kernels_per_op(samples: Sequence[_Sample]) -> dict[str, float]:
+    """Kernels each op launched per call, where the median is not 1."""
+    per_op: dict[str, list[int]] = defaultdict(list)
+    for s in samples:
+        if s.count.kernel:
+            per_op[s.count.op].append(s.cost.calls)
+    medians = {op: float(statistics.median(v)) for op, v in per_op.items()}
+    return {op: m for op, m in medians.items() if m != 1.0}
+
+
+def fit_error(model: DeviceModel, pairs: Sequence[tuple[fx.GraphModule, Attribution]]) -> float:
+    """Median |predicted - measured| / measured over the nodes with measured time (kernel
+    time on CUDA, op time on a CPU)."""
+    errors = []
+    for s in _samples(pairs):
+        measured = s.ms
+        if measured <= 0:
+            continue
+        # an op's own time: its kernel, and on a CPU its dispatch (the graph's Python is
+        # between the ops, not in them)
+        predicted = model.kernel_ms(s.count) + (0.0 if model.asynchronous else
+                                                 model.host_ms(s.count) - model.node_us / 1e3)
+        errors.append(abs(predicted - measured) / measured)
+    return statistics.median(errors) if errors else float("nan")

@@ -1,0 +1,241 @@
+"""What each node of a graph asks of the device: FLOPs, bytes moved, kernel launches.
+
+Counted from the graph alone (the fake tensors in ``node.meta["val"]``), never by running it.
+The formulas take shapes, not tensors, so the same code counts a concrete graph (integer
+shapes) and a symbolic one (:mod:`kopt.cost.symbolic`: shapes whose dimensions are sympy
+expressions of the workload's symbols):
+
+* FLOPs: ``torch.utils.flop_counter``'s own formulas where it has one (``mm``, ``addmm``,
+  ``bmm``, ``_scaled_mm``, convolutions, ...), and for the ops it only sees decomposed or not at
+  all: ``linear`` / ``matmul`` (2 x output elements x K), scaled-dot-product attention
+  (``flop_counter.sdpa_flop_count``: its CPU kernel has no formula, so ``FlopCounterMode``
+  counts 0 there) and kopt's GEMM ops (2 x M x N x K). Element-wise work counts 0 FLOPs, as in
+  ``FlopCounterMode``: it is bandwidth-bound and costed by its bytes.
+* Bytes: every distinct tensor a node reads plus what it writes. Views (``view``, ``permute``,
+  a ``reshape`` that aliases its input, ``getitem``, ...) move nothing and launch nothing.
+* Launches: one per computing node; the device model (``kopt.cost.device``) corrects this per
+  op where a trace showed otherwise.
+
+A hoisted region (``kopt.passes.hoist``) is counted node by node, each marked with how its cache
+is keyed (``step``: a conditioning input such as the timestep, recomputed once per denoising
+step; ``static``: only integer inputs such as position ids, recomputed once per generation), so
+a cost model can weigh it by how often it misses.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+from torch.utils import flop_counter
+
+from kopt.graph import constant_nodes
+from kopt.passes.hoist import CachedRegion
+from kopt.profile import op_category, qualified_name
+
+aten = torch.ops.aten
+
+# Ops that alias their input: no kernel, no bytes (``reshape`` is one only when its output
+# aliases, decided from the traced storages).
+_ALIASES = {aten._unsafe_view.default, aten.alias.default, aten.detach.default,
+            aten.lift_fresh.default, operator.getitem}
+_MAYBE_COPY = {aten.reshape.default, aten.contiguous.default}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What counting needs of a tensor: its shape (ints or sympy expressions) and dtype."""
+
+    shape: tuple[Any, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> Any:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> Any:
+        return self.numel * self.dtype.itemsize
+
+
+# node -> pytree of TensorInfo (None for non-tensor values)
+InfoOf = Callable[[fx.Node], Any]
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """One node's demand on the device. ``flops`` and ``bytes`` are ints for a concrete graph,
+    sympy expressions for a symbolic one."""
+
+    node: str
+    op: str  # qualified op name: aten::linear, kopt::rowwise
+    category: str  # gemm / attention / quantization / elementwise (kopt.profile.op_category)
+    dtype: str  # of the first floating-point input: what a GEMM's peak rate depends on
+    flops: Any
+    bytes: Any
+    kernel: bool  # False for views: no launch, no bytes
+    cached: str | None = None  # in a hoisted region keyed on "step" or "static" inputs
+    dispatched: bool = True  # an aten/kopt op (False: Python such as operator.getitem)
+
+    def at(self, values: dict) -> OpCount:
+        """This count with its symbols replaced by ``values`` (numbers)."""
+        return OpCount(self.node, self.op, self.category, self.dtype, _number(self.flops, values),
+                       _number(self.bytes, values), self.kernel, self.cached, self.dispatched)
+
+
+def _number(x: Any, values: dict) -> float | int:
+    if hasattr(x, "xreplace"):
+        x = x.xreplace({k: v if hasattr(v, "is_Integer") else sympy.Integer(v)
+                        for k, v in values.items()})
+        if not x.is_number:
+            raise ValueError(f"{x}: no value given for {sorted(map(str, x.free_symbols))}")
+        return int(x) if x.is_Integer else float(x)
+    return x
+
+
+def meta_info(node: fx.Node) -> Any:
+    """TensorInfo pytree of a node's traced value."""
+    return pytree.tree_map(
+        lambda v: TensorInfo(tuple(int(s) for s in v.shape), v.dtype)
+        if isinstance(v, torch.Tensor) else None,
+        node.meta.get("val"))
+
+
+def _leaves(info: Any) -> list[TensorInfo]:
+    return [t for t in pytree.tree_leaves(info) if isinstance(t, TensorInfo)]
+
+
+def is_view(node: fx.Node) -> bool:
+    """True when the node launches nothing: an alias of its input."""
+    target = node.target
+    if target in _ALIASES:
+        return True
+    if target in _MAYBE_COPY:
+        out, src = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+        if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)):
+            return False
+        return out.untyped_storage()._cdata == src.untyped_storage()._cdata
+    return bool(getattr(target, "is_view", False))
+
+
+def _shape_args(args: Any, info: InfoOf) -> Any:
+    """Replace every node argument by its shape (a tuple, as the flop formulas expect)."""
+    def one(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = info(a)
+            return v.shape if isinstance(v, TensorInfo) else v
+        return a
+    return pytree.tree_map(one, args)
+
+
+def _tensor_args(node: fx.Node, info: InfoOf) -> list[TensorInfo]:
+    return [v for a in node.args if isinstance(a, fx.Node)
+            for v in [info(a)] if isinstance(v, TensorInfo)]
+
+
+def count_flops(node: fx.Node, info: InfoOf) -> Any:
+    """FLOPs of one call_function node (0 for element-wise work)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    out = _leaves(info(node))
+    if target in (aten.linear.default, aten.matmul.default):
+        a = _tensor_args(node, info)[0]
+        return 2 * out[0].numel * a.shape[-1]
+    if target is aten.scaled_dot_product_attention.default:
+        q, k, v = _tensor_args(node, info)[:3]
+        return flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+    formula = flop_counter.flop_registry.get(target.overloadpacket)
+    if formula is not None:
+        raw = getattr(formula, "__wrapped__", formula)  # the shape formula behind the wrapper
+        args, kwargs = _shape_args((node.args, node.kwargs), info)
+        out_shape = pytree.tree_map(lambda t: t.shape if isinstance(t, TensorInfo) else t,
+                                    info(node))
+        return raw(*args, out_shape=out_shape, **kwargs)
+    if target.namespace == "kopt" and op_category(qualified_name(target)) == "gemm":
+        a = _tensor_args(node, info)[0]  # kopt's GEMMs take a [M, K] first
+        return 2 * out[0].numel * a.shape[-1]
+    return 0
+
+
+def count_node(node: fx.Node, info: InfoOf = meta_info, cached: str | None = None,
+               name: str | None = None) -> OpCount:
+    """The count of one call_function node; ``info`` gives its and its inputs' tensors."""
+    qualified = qualified_name(node.target)
+    view = is_view(node)
+    dtype = ""
+    moved: Any = 0
+    if not view:
+        seen: set[fx.Node] = set()
+        for a in node.all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            for t in _leaves(info(a)):
+                moved = moved + t.nbytes
+                if not dtype and t.dtype.is_floating_point:
+                    dtype = str(t.dtype).removeprefix("torch.")
+        for t in _leaves(info(node)):
+            moved = moved + t.nbytes
+    return OpCount(name or node.name, qualified, op_category(qualified), dtype,
+                   0 if view else count_flops(node, info), moved, not view, cached,
+                   isinstance(node.target, torch._ops.OpOverload))
+
+
+def region_kind(gm: fx.GraphModule, node: fx.Node) -> str:
+    """``static`` when a hoisted region is keyed only on integer inputs (positions: the same
+    for every call of a generation), ``step`` when a floating-point input (the timestep) is in
+    its key."""
+    region = gm.get_submodule(node.target)
+    keys = [node.args[i] for i in region.key_positions]
+    floating = [v.is_floating_point() for k in keys for v in [k.meta.get("val")]
+                if isinstance(v, torch.Tensor)]
+    return "step" if any(floating) else "static"
+
+
+def count_graph(gm: fx.GraphModule, info: InfoOf = meta_info, *, folded: bool = False,
+                prefix: str = "", cached: str | None = None) -> list[OpCount]:
+    """Counts of every node that runs per call. ``folded``: nodes that only read parameters
+    are left out (computed once at load by ``fold_constants``)."""
+    skip = constant_nodes(gm.graph) if folded else set()
+    out: list[OpCount] = []
+    for node in gm.graph.nodes:
+        if node in skip:
+            continue
+        if node.op == "call_function":
+            out.append(count_node(node, info, cached, prefix + node.name))
+        elif node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            inner = mod.region if isinstance(mod, CachedRegion) else mod
+            if not isinstance(inner, fx.GraphModule):
+                raise TypeError(f"cannot count module {node.target} ({type(mod).__name__}): "
+                                "not a graph")
+            kind = region_kind(gm, node) if isinstance(mod, CachedRegion) else cached
+            scope = f"{prefix}{node.target}/"
+            out.extend(count_graph(inner, _scoped(info, scope), folded=folded, prefix=scope,
+                                   cached=kind))
+    return out
+
+
+def _scoped(info: InfoOf, prefix: str) -> InfoOf:
+    """The provider for a region's inner nodes: a symbolic provider keys them by qualified name
+    (``region/node``, its ``scoped``); the meta of the inner nodes serves as it is."""
+    scoped = getattr(info, "scoped", None)
+    return scoped(prefix) if scoped is not None else info
+
+
+def totals(counts: Iterable[OpCount]) -> tuple[Any, Any, int]:
+    """(FLOPs, bytes, kernels) summed over ``counts``."""
+    flops: Any = 0
+    moved: Any = 0
+    kernels = 0
+    for c in counts:
+        flops, moved, kernels = flops + c.flops, moved + c.bytes, kernels + int(c.kernel)
+    return flops, moved, kernels

@@ -1,0 +1,186 @@
+"""The device model: how long a graph's counted work takes on one device.
+
+Per node, a roofline scaled by a fitted efficiency, plus fixed costs per launch::
+
+    kernel_ms = launches x fixed_us[kind] + roofline / efficiency[kind]
+    roofline  = max(flops / peak[dtype], bytes / bandwidth)
+    host_ms   = node_us + launches x launch_us  (an op that launches nothing: + view_us)
+
+and per call, by how the host and the device overlap:
+
+    CPU (synchronous)        total = sum(kernel_ms) + sum(host_ms)
+    CUDA, eager              total = max(sum(kernel_ms) + launches x graph_launch_us, sum(host_ms))
+    CUDA, CUDA graph replay  total = sum(kernel_ms) + launches x graph_launch_us
+
+The eager form says that a launch-bound graph (decode, small token counts) runs at the host's
+pace and a compute-bound one at the device's: a fusion that saves launches then saves time only
+in the first case, and a rewrite that adds a kernel to save bytes only in the second.
+
+``efficiency`` and ``fixed_us`` are keyed by op (``aten::_scaled_mm``, ``kopt::rowwise``) where
+a trace had enough of it, else by category (``gemm``, ``attention``, ``quantization``,
+``elementwise``); ``kernel_us`` is the fixed cost of anything else.
+The shipped :data:`H200` parameters are datasheet peaks, the measured copy bandwidth and launch
+costs, with efficiencies from the GEMM measurements in ARCHITECTURE.md; :func:`kopt.cost.fit`
+replaces the efficiencies and fixed costs by least squares on a profiler trace.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from kopt.cost.counts import OpCount
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Modelled time of one call of a graph, and what it is made of."""
+
+    total_ms: float
+    device_ms: float  # sum of kernel times
+    host_ms: float  # sum of dispatch times
+    kernels: float  # launches per call
+    flops: float
+    bytes: float
+    by_category: Mapping[str, float] = field(default_factory=dict)  # kernel ms per category
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    name: str
+    peak_tflops: Mapping[str, float]  # dense peak by GEMM operand dtype ("bfloat16", ...)
+    bandwidth_gbs: float
+    launch_us: float = 4.0  # host time per launch in eager mode (on a CPU: per op)
+    view_us: float = 0.0  # host time of an aten op that launches nothing (a view)
+    node_us: float = 0.0  # host time of every node on top: the graph's own Python
+    graph_launch_us: float | None = 1.0  # per launch in a CUDA graph replay; None: no graphs
+    kernel_us: float = 0.0  # device time every kernel takes on top of its roofline time
+    fixed_us: Mapping[str, float] = field(default_factory=dict)  # op or category: kernel_us
+    efficiency: Mapping[str, float] = field(default_factory=dict)  # op or category -> fraction
+    kernels_per_op: Mapping[str, float] = field(default_factory=dict)  # where not 1
+    asynchronous: bool = True  # host launches overlap device work (CUDA)
+    source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        """TFLOP/s for GEMM operands of ``dtype``; the lowest known peak for others."""
+        return self.peak_tflops.get(dtype) or min(self.peak_tflops.values())
+
+    def roofline_ms(self, flops: float, nbytes: float, dtype: str) -> float:
+        """Time at the device's ceilings (peak rate for ``dtype``, bandwidth)."""
+        return max(flops / (self.peak(dtype) * 1e9), nbytes / (self.bandwidth_gbs * 1e6))
+
+    def efficiency_of(self, c: OpCount) -> float:
+        """By op, else category, else ``*`` (every other kernel), else 1."""
+        for key in (c.op, c.category, "*"):
+            if key in self.efficiency:
+                return self.efficiency[key]
+        return 1.0
+
+    def fixed_of(self, c: OpCount) -> float:
+        """Device time (us) a kernel of ``c``'s op takes on top of its roofline time."""
+        for key in (c.op, c.category):
+            if key in self.fixed_us:
+                return self.fixed_us[key]
+        return self.kernel_us
+
+    def launches(self, c: OpCount) -> float:
+        return self.kernels_per_op.get(c.op, 1.0) if c.kernel else 0.0
+
+    def kernel_ms(self, c: OpCount) -> float:
+        if not c.kernel:
+            return 0.0
+        return (self.launches(c) * self.fixed_of(c) / 1e3
+                + self.roofline_ms(c.flops, c.bytes, c.dtype) / self.efficiency_of(c))
+
+    def host_ms(self, c: OpCount) -> float:
+        op = self.launches(c) * self.launch_us if c.kernel else \
+            self.view_us if c.dispatched else 0.0
+        return (self.node_us + op) / 1e3
+
+    def predict(self, counts: Iterable[OpCount], *, cuda_graphs: bool = False,
+                weights: Sequence[float] | None = None) -> Prediction:
+        """Time per call of the nodes ``counts``; ``weights``: the fraction of calls each runs
+        in (a hoisted region's nodes run only when its cache misses)."""
+        counts = list(counts)
+        w = weights if weights is not None else [1.0] * len(counts)
+        device = host = kernels = flops = nbytes = 0.0
+        by_category: dict[str, float] = {}
+        for c, f in zip(counts, w, strict=True):
+            if f == 0:
+                continue
+            k = f * self.kernel_ms(c)
+            device += k
+            host += f * self.host_ms(c)
+            kernels += f * self.launches(c)
+            flops += f * c.flops
+            nbytes += f * c.bytes
+            by_category[c.category] = by_category.get(c.category, 0.0) + k
+        gap = (self.graph_launch_us or 0.0) * kernels / 1e3
+        if cuda_graphs and self.graph_launch_us is not None:
+            total = device + gap
+        elif self.asynchronous:
+            total = max(device + gap, host)
+        else:
+            total = device + host
+        return Prediction(total, device, host, kernels, flops, nbytes, by_category)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceModel:
+        return cls(**json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceModel:
+        return cls.from_json(Path(path).read_text())
+
+    def with_(self, **changes: object) -> DeviceModel:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        peaks = ", ".join(f"{k} {v:g}" for k, v in sorted(self.peak_tflops.items()))
+        eff = ", ".join(f"{k} {v:.2f}" for k, v in sorted(self.efficiency.items()))
+        fixed = "".join(f", {k} {v:.2f}" for k, v in sorted(self.fixed_us.items()))
+        graph = "-" if self.graph_launch_us is None else f"{self.graph_launch_us:.2f}"
+        return (f"{self.name}: peak TFLOP/s {peaks}; {self.bandwidth_gbs:g} GB/s; launch "
+                f"{self.launch_us:.2f} us (view {self.view_us:.2f}, node {self.node_us:.2f}, "
+                f"graph {graph}); kernel fixed us {self.kernel_us:.2f}{fixed}; efficiency "
+                f"{eff or '1.0'}"
+                + (f" [{self.source}]" if self.source else ""))
+
+
+# Datasheet dense peaks (FP8/BF16 tensor cores; FP32 without TF32: torch's default matmul
+# precision), the measured copy bandwidth and launch costs; efficiencies from the measured GEMMs
+# (BF16 ~790 TFLOP/s, the FP8 GEMMs 1030-1270 on W1/W2 shapes); attention and element-wise
+# efficiencies are first guesses that the fit to an H200 trace replaces.
+H200 = DeviceModel(
+    name="NVIDIA H200",
+    peak_tflops={"float8_e4m3fn": 1979.0, "float8_e5m2": 1979.0, "bfloat16": 989.0,
+                 "float16": 989.0, "float32": 67.0},
+    bandwidth_gbs=4247.0,
+    launch_us=4.0,
+    view_us=1.0,
+    graph_launch_us=1.0,
+    kernel_us=1.5,
+    efficiency={"gemm": 0.8, "aten::_scaled_mm": 0.58, "kopt::fp8_gemm": 0.58,
+                "kopt::fp8_blockwise_mm": 0.55, "attention": 0.55, "elementwise": 0.75,
+                "quantization": 0.6},
+    asynchronous=True,
+    source="datasheet peaks, measured copy bandwidth and GEMM rates; not fitted",
+)
+
+KNOWN: tuple[DeviceModel, ...] = (H200,)
+
+
+def known_device(name: str) -> DeviceModel | None:
+    """The shipped model of a device by its name (``torch.cuda.get_device_name()``)."""
+    for d in KNOWN:
+        if d.name.lower() in name.lower() or name.lower() in d.name.lower():
+            return d
+    return None

@@ -1,0 +1,152 @@
+"""Pass verdicts: what the pipeline files after a run, and the dead ends it skips.
+
+The pipeline files, per pass that rewrote something and was verified, ``accepted`` (sites it
+reverted tag it ``numerics``) or ``rejected`` with tag ``numerics`` when verification undid it
+all. A ``dead_end`` is a judgement on measurements (slower under CUDA graphs, no gain in a shape
+regime): a human (``kopt kb mark``) or the ablation records it, and the next run on that device
+and workload (or regime) skips the pass with the recorded cause unless asked to retry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kopt.kb.session import Session, active, device_name
+from kopt.kb.store import KnowledgeBase, VerdictRecord, format_time
+
+
+def workload_key(gm: Any, example_inputs: Sequence[Any]) -> str:
+    """``graph-<hash>`` of the captured graph's code and its inputs' shapes and dtypes: the
+    same model at the same shapes gets the same key in every run."""
+    h = hashlib.sha256(gm.code.encode())
+    for x in example_inputs:
+        h.update(repr((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else
+                      type(x).__name__).encode())
+    return f"graph-{h.hexdigest()[:12]}"
+
+
+def _inputs_device(example_inputs: Sequence[Any]) -> str:
+    for x in example_inputs:
+        if hasattr(x, "device") and hasattr(x, "shape"):
+            return device_name(x.device)
+    return device_name("cpu")
+
+
+def _reason(v: VerdictRecord) -> str:
+    tags = f" [{', '.join(v.tags)}]" if v.tags else ""
+    return (f"a dead end on {v.workload if v.workload != '*' else 'every workload'} @ "
+            f"{v.device if v.device != '*' else 'every device'} ({v.entry_id}, {v.origin}, "
+            f"{format_time(v.created_at)}): {v.cause or 'no cause given'}{tags}")
+
+
+def skip_reason(kb: KnowledgeBase, pass_name: str, workload_key: str, device: str, *,
+                regime: str | None = None, uuid: str | None = None) -> str | None:
+    """Why ``pass_name`` should not run on this workload and device (a recorded dead end that
+    still applies, see :meth:`KnowledgeBase.dead_end`), or None."""
+    v = kb.dead_end(pass_name, device, workload_key, regime, uuid)
+    return None if v is None else _reason(v)
+
+
+def _verdict_of(r: Any) -> tuple[str, str, tuple[str, ...]] | None:
+    """(verdict, cause, tags) for one PassResult, or None when there is nothing to judge
+    (nothing rewritten, or not verified)."""
+    if r.verdict is None:
+        return None
+    if not r.verdict.passed:
+        return "rejected", f"failed verification: {r.verdict.detail}", ("numerics",)
+    if r.reverted:
+        return ("accepted", f"{len(r.reverted)} sites reverted after failing verification; "
+                            f"{r.verdict.detail}", ("numerics",))
+    return "accepted", str(r.verdict), ()
+
+
+def record_pass_results(kb: KnowledgeBase, report: Any, workload_key: str, device: str, *,
+                        uuids: Mapping[str, str] | None = None,
+                        regime: str | None = None) -> list[int]:
+    """File a verdict per verified pass of ``report`` (a :class:`kopt.Report` or a list of
+    :class:`kopt.PassResult`); ``uuids``: pass name -> ``Pass.uuid()``. Returns verdict ids."""
+    results: Iterable[Any] = getattr(report, "passes", report)
+    ids = []
+    for r in results:
+        judged = _verdict_of(r)
+        if judged is None:
+            continue
+        verdict, cause, tags = judged
+        ids.append(kb.record_verdict(r.name, verdict, workload=workload_key, device=device,
+                                     cause=cause, tags=tags, regime=regime, origin="pipeline",
+                                     rewrite_uuid=(uuids or {}).get(r.name)))
+    return ids
+
+
+@dataclass
+class PipelineRun:
+    """What :class:`kopt.passes.PassManager` asks during one run: which passes to skip, and
+    where to file the results. Does nothing outside a :func:`kopt.kb.using` scope."""
+
+    session: Session | None
+    workload: str = ""
+    device: str = ""
+    retried: list[str] = field(default_factory=list)
+
+    def skip(self, p: Any, gm: Any) -> Any:
+        """A PassResult saying why ``p`` is skipped (a dead end), or None to run it."""
+        s = self.session
+        if s is None:
+            return None
+        uuid = p.uuid()
+        why = s.guard("reading verdicts", lambda: skip_reason(
+            s.kb, p.name, self.workload, self.device, regime=s.regime, uuid=uuid), None)
+        if why is None:
+            before = s.guard("reading verdicts", lambda: s.kb.verdicts_for(
+                p.name, self.device, self.workload, s.regime), [])
+            same = [v for v in before if v.origin == "pipeline" and v.rewrite_uuid == uuid]
+            if same and same[0].verdict == "accepted":
+                s.used.append(f"{p.name}: accepted before on this workload and device "
+                              f"({same[0].entry_id}); verified again")
+            return None
+        if s.retry:
+            s.used.append(f"{p.name}: {why}; retried (--retry)")
+            return None
+        from kopt.passes.base import PassResult, count_nodes
+
+        s.used.append(f"{p.name} skipped: {why}")
+        n = count_nodes(gm)
+        return PassResult(p.name, matched=0, rejected={}, nodes_before=n, nodes_after=n,
+                          seconds=0.0, notes=(f"skipped: {why} (--retry runs it)",))
+
+    def record(self, results: Sequence[Any], passes: Sequence[Any]) -> None:
+        """File the pass verdicts, and the configs tuned during the run if every verified
+        pass kept all its sites (a kernel is kept only once it passed verification)."""
+        s = self.session
+        if s is None:
+            return
+        s.in_pipeline = False
+        pending, s.pending = s.pending, []
+        if all(r.verdict is None or (r.verdict.passed and not r.reverted) for r in results):
+            for write in pending:
+                line = s.guard("recording a tuned config", write, None)
+                if line is not None:
+                    s.recorded.append(line)
+        elif pending:
+            s.recorded.append(f"{len(pending)} tuned configs not kept: verification failed in "
+                              "this run")
+        uuids = {p.name: p.uuid() for p in passes}
+        ids = s.guard("recording verdicts", lambda: record_pass_results(
+            s.kb, results, self.workload, self.device, uuids=uuids, regime=s.regime), [])
+        if ids:
+            s.recorded.append(f"{len(ids)} pass verdicts ({', '.join(f'V{i}' for i in ids)})")
+
+
+def pipeline_run(gm: Any, example_inputs: Sequence[Any]) -> PipelineRun:
+    """The knowledge base's part in one pass-manager run over the captured ``gm``."""
+    s = active()
+    if s is None:
+        return PipelineRun(None)
+    run = PipelineRun(s, s.workload or workload_key(gm, example_inputs),
+                      s.device or _inputs_device(example_inputs))
+    s.last_workload, s.last_device = run.workload, run.device
+    s.in_pipeline, s.pending = True, []
+    return run

@@ -1,0 +1,138 @@
+"""Ablation (kopt/ablate.py, `kopt ablate`): the variants are the right flips of PassConfig,
+every row is measured, predicted and verified, and the writers produce what they say."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kopt.ablate import KINDS, ablate, spearman, step_inputs, variants
+from kopt.capture import flatten_inputs
+from kopt.cli import main
+from kopt.cost import H200, CostModel
+from kopt.models import build
+from kopt.passes import FP8Config, PassConfig
+from kopt.verify import VerifyOptions
+
+
+def test_variants_flip_one_field_at_a_time() -> None:
+    config = PassConfig(fp8=FP8Config(), hoist=False)
+    on = config.enabled()
+    order = ("rowwise_fusion", "fp8", "cse")  # the rest follow in pipeline order
+    rows = variants(config, order)
+    kinds = [v.kind for v in rows]
+    assert kinds == ["baseline"] + ["alone"] * len(on) + ["cumulative"] * len(on) + [
+        "leave-one-out"] * len(on)
+    base = rows[0].config
+    assert base.enabled() == () and base.fp8 is None and base.hoist is False
+    alone = [v for v in rows if v.kind == "alone"]
+    assert [v.config.enabled() for v in alone] == [(p,) for p in on]
+    assert next(v for v in alone if v.passes == ("fp8",)).config.fp8 == FP8Config()
+    cumulative = [v for v in rows if v.kind == "cumulative"]
+    added = [v.name.removeprefix("+ ") for v in cumulative]
+    assert added[:3] == list(order) and sorted(added) == sorted(on)
+    assert cumulative[-1].config == config
+    for a, b in zip(cumulative, cumulative[1:], strict=False):
+        assert set(b.config.enabled()) - set(a.config.enabled()) == {b.name[2:]}
+    for v in (v for v in rows if v.kind == "leave-one-out"):
+        missing = set(on) - set(v.config.enabled())
+        assert missing == {v.name.removeprefix("all - ")}
+    assert [v.kind for v in variants(config, order, kinds=("alone",))] == [
+        "baseline"] + ["alone"] * len(on)
+
+
+def test_spearman() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties take their mean rank: ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    assert spearman([1, 1, 1], [1, 2, 3]) != spearman([1, 1, 1], [1, 2, 3])  # nan: constant
+
+
+def test_step_inputs_give_each_step_a_new_timestep() -> None:
+    w = build("qwen-image-tiny")
+    steps = step_inputs(w)
+    base = flatten_inputs(w.args, w.kwargs)[0]
+    t = [i for i, x in enumerate(base) if x is w.kwargs["timestep"]][0]
+    latents = [i for i, x in enumerate(base) if x is w.kwargs["hidden_states"]][0]
+    values = [float(s[t][0]) for s in steps]
+    assert len(set(values)) == len(steps) > 2  # more than a hoisted region keeps
+    assert all(s[latents] is w.kwargs["hidden_states"] for s in steps)
+
+
+@pytest.fixture(scope="module")
+def result():  # noqa: ANN201
+    w = build("llm-tiny")
+    cost = CostModel(H200, calls_per_step=w.calls_per_step)
+    return ablate(w, PassConfig(), passes=("cse", "merge_projections", "rowwise_fusion"),
+                  cost=cost, iters=2, warmup=1, verify=VerifyOptions(seeds=(0,)))
+
+
+def test_ablation_rows_are_measured_predicted_and_verified(result) -> None:  # noqa: ANN001
+    names = [r.variant for r in result.rows]
+    passes = ("cse", "merge_projections", "rowwise_fusion")
+    assert names[0] == "baseline" and len(names) == 1 + 3 * len(passes)
+    assert [r.kind for r in result.rows].count("cumulative") == len(passes)
+    # cumulative rows follow the cost model's ranking
+    ranked = [p.name for p in result.ranking.ranked() if p.name in passes]
+    assert list(result.order) == ranked
+    assert [r.subject for r in result.rows if r.kind == "cumulative"] == ranked
+    for r in result.rows:
+        assert r.ms > 0 and r.graph_ms is None  # no CUDA graphs on the CPU
+        assert r.predicted_ms is not None and r.predicted_ms > 0
+        assert r.verdict.startswith("passed") == bool(r.sites) and r.verified in (True, None)
+        assert r.error is not None and r.error < 1e-5
+    assert result.baseline.sites == 0 and result.baseline.error == 0
+    alone = {r.passes[0]: r for r in result.rows if r.kind == "alone"}
+    assert alone["merge_projections"].sites > 0 and alone["rowwise_fusion"].sites > 0
+    # predicted = the cost model on the variant's graph: fewer launches, less predicted time
+    every = result.row(f"+ {ranked[-1]}")
+    assert every.predicted_ms < result.baseline.predicted_ms
+    assert result.row(f"all - {ranked[0]}").predicted_ms > every.predicted_ms
+    s = result.savings("alone")
+    assert set(s) == {p for p in passes if alone[p].sites}
+    for name, (predicted, measured) in s.items():
+        assert predicted == pytest.approx(result.baseline.predicted_ms - alone[name].predicted_ms)
+        assert measured == pytest.approx(result.baseline.ms - alone[name].ms)
+    loo = result.savings("leave-one-out")
+    assert loo["cse"][1] == pytest.approx(result.row("all - cse").ms - every.ms)
+
+
+def test_ablation_writers(result, tmp_path) -> None:  # noqa: ANN001
+    text = result.markdown()
+    assert text.count("\n| ") >= len(result.rows) + 2
+    for r in result.rows:
+        assert f"| {r.variant} |" in text
+    assert "Predicted vs measured ms saved per call (alone)" in text and "Spearman" in text
+    data = json.loads(result.to_json())
+    assert [r["variant"] for r in data["rows"]] == [r.variant for r in result.rows]
+    assert set(data["savings"]) == set(KINDS) and data["order"] == list(result.order)
+    png = tmp_path / "waterfall.png"
+    result.waterfall(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_cli_ablate_writes_table_json_and_chart(tmp_path, capsys) -> None:  # noqa: ANN001
+    md, js, png = tmp_path / "a.md", tmp_path / "a.json", tmp_path / "a.png"
+    rc = main(["ablate", "-q", "--model", "llm-tiny", "--pass", "merge_projections",
+               "--pass", "cse", "--kind", "alone", "--kind", "cumulative", "--iters", "1",
+               "--warmup", "1", "--seeds", "1", "--device-model", "h200", "--md", str(md),
+               "--json", str(js), "--png", str(png)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "### Ablation: llm-tiny, float32 on cpu" in out and out.strip() == md.read_text().strip()
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["baseline", "alone", "alone", "cumulative",
+                                         "cumulative"]
+    assert png.stat().st_size > 0
+    assert main(["ablate", "-q", "--model", "llm-tiny", "--pass", "fp8"]) == 2  # not enabled
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # noqa: ANN202
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

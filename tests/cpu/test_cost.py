@@ -1,0 +1,346 @@
+"""The cost model (kopt/cost): counts per node against torch's FLOP counter and the tensors a
+real run moves; symbolic counts against a capture at a size not used to build them; the device
+model's fit to a trace; the ranking, the gate that skips predicted losers, and `--rank`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+import sympy
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+import kopt
+from kopt.api import optimize_captured
+from kopt.capture import capture_module
+from kopt.cli import main
+from kopt.cost import H200, CostModel, DeviceModel, calibrate, count_graph, fit
+from kopt.cost.calibrate import nnls
+from kopt.cost.symbolic import HP, S_IMG, S_TXT, WP, B, D, S, capture_stages, symbolic_pipeline
+from kopt.models import build
+from kopt.passes import FP8Config, PassConfig
+from kopt.profile import Attribution, NodeCost
+
+OFF = kopt.VerifyOptions(enabled=False)
+FP8 = PassConfig(fp8=FP8Config(min_features=16))
+
+
+@pytest.fixture
+def one_thread():  # noqa: ANN201
+    """Timing on a shared 2-core machine: one intra-op thread keeps the samples comparable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Measure(fx.Interpreter):
+    """Runs a graph; per computing node: FlopCounterMode's FLOPs, the bytes of the distinct
+    tensors it read and wrote, whether its output aliases an input, and the tensors."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.seen: dict[str, tuple[int, int, bool, list[Any], Any]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        with FlopCounterMode(display=False) as fc:
+            out = super().run_node(n)
+        ins = [self.env[a] for a in dict.fromkeys(n.all_input_nodes)]
+        tensors = [t for v in ins for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tensors + outs)
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        aliases = bool(outs) and all(t.untyped_storage().data_ptr() in ptrs for t in outs)
+        self.seen[n.name] = (fc.get_total_flops(), moved, aliases, tensors, out)
+        return out
+
+
+def _flops_reference(n: fx.Node, measured: tuple) -> int:
+    """FlopCounterMode's count, or, for attention (no formula for its CPU kernel), torch's
+    own attention formula on the real q, k, v."""
+    flops, _, _, tensors, _ = measured
+    if n.target is torch.ops.aten.scaled_dot_product_attention.default:
+        q, k, v = (a.meta["val"].shape for a in n.args[:3])
+        return flop_counter.sdpa_flop_count(q, k, v)
+    return flops
+
+
+def _check_counts(gm: fx.GraphModule, inputs: list) -> int:
+    m = _Measure(gm)
+    with torch.no_grad():
+        m.run(*inputs)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    counted = 0
+    for c in count_graph(gm):
+        if "/" in c.node:  # inside a hoisted region: runs in the region module, not here
+            continue
+        n = nodes[c.node]
+        measured = m.seen[c.node]
+        assert c.flops == _flops_reference(n, measured), c
+        if c.kernel:
+            assert c.bytes == measured[1], c
+        else:  # a view: what it returns aliases what it read
+            assert measured[2] and c.bytes == 0 and c.flops == 0, c
+        counted += 1
+    return counted
+
+
+@pytest.fixture(scope="module")
+def llm() -> tuple[Any, Any]:
+    """llm-tiny (prefill 1 x 20) captured, and optimized with FP8."""
+    w = build("llm-tiny")
+    cap = capture_module(w.model, w.args, w.kwargs)
+    return cap, optimize_captured(cap, FP8, OFF, None, "llm-tiny", 0.0)
+
+
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "llm-tiny"])
+def test_counts_match_the_flop_counter_and_the_tensors_moved(name: str, llm) -> None:  # noqa: ANN001
+    """Every node of the captured and of the FP8-optimized graph: FLOPs equal what
+    FlopCounterMode counts for it, bytes what the real run read and wrote, views alias."""
+    if name == "llm-tiny":
+        cap, spec = llm
+    else:
+        w = build(name)
+        cap = capture_module(w.model, w.args, w.kwargs)
+        spec = optimize_captured(cap, FP8, OFF, None, name, 0.0)
+    assert _check_counts(cap.gm, cap.example_inputs) > 100
+    assert _check_counts(spec.gm, cap.example_inputs) > 50
+    ops = {c.op for c in count_graph(spec.gm)}
+    assert {"aten::_scaled_mm", "kopt::rowwise"} <= ops
+    gemm = [c for c in count_graph(spec.gm) if c.op == "aten::_scaled_mm"]
+    assert all(c.category == "gemm" and c.dtype == "float8_e4m3fn" and c.flops > 0 for c in gemm)
+
+
+@pytest.fixture(scope="module")
+def llm_pipe():  # noqa: ANN201
+    """Symbolic counts of llm-tiny prefill at batch 1 with FP8, fitted at two probes only."""
+    return symbolic_pipeline("llm-tiny", FP8, batch=1, check=False)
+
+
+def test_symbolic_counts_equal_the_counts_of_an_unseen_size(llm_pipe) -> None:  # noqa: ANN001
+    """At a sequence length no probe used, every stage's symbolic counts evaluate to the
+    counts of the graph captured and rewritten there, and its FLOPs to FlopCounterMode's."""
+    values, stages = capture_stages("llm-tiny", FP8, device="cpu", mode="prefill", batch=1,
+                                    seq_len=29)
+    assert values[S] == 29 and values[B] == 1
+    assert llm_pipe.check([g for _, _, g in stages], values) == []
+    captured = stages[0][2]
+    w = build("llm-tiny", batch=1, seq_len=29)
+    inputs = capture_module(w.model, w.args, w.kwargs).example_inputs
+    m = _Measure(captured)
+    with torch.no_grad():
+        m.run(*inputs)
+    nodes = {n.name: n for n in captured.graph.nodes}
+    symbolic = llm_pipe.stages[0].counts()
+    for c in symbolic:
+        want = _flops_reference(nodes[c.node], m.seen[c.node])
+        assert c.at({**values, D: llm_pipe.hidden}).flops == want, c
+    # the expressions are of the workload: linear in the tokens for the projections,
+    # quadratic in them for attention
+    total = sympy.expand(sum(c.flops for c in symbolic))
+    assert total.free_symbols == {S, D} and sympy.Poly(total, S).degree() == 2
+    attention = [c for c in symbolic if c.category == "attention"]
+    assert attention and all(sympy.Poly(c.flops, S).degree() == 2 for c in attention)
+
+
+def test_symbolic_dit_counts_use_tokens_grid_and_hidden_size() -> None:
+    """Qwen-Image at batch 1: checked at a third probe (a capture no fit used); a projection of
+    the image stream is 2 * S_img * D^2 FLOPs; the RoPE tables depend on the latent grid."""
+    pipe = symbolic_pipeline("qwen-image-tiny", PassConfig(), batch=1, check=True)
+    counts = {c.node: c for c in pipe.stages[0].counts()}
+    linears = [c for c in counts.values() if c.op == "aten::linear"]
+    assert 2 * S_IMG * D**2 in {sympy.expand(c.flops) for c in linears}
+    assert 2 * S_TXT * D**2 in {sympy.expand(c.flops) for c in linears}
+    assert any({HP, WP} & sympy.sympify(c.bytes).free_symbols for c in counts.values())
+    # per pass: the fused kernels it inserted, symbolically
+    fused = {c.name: c for c in pipe.candidates()}["fuse_qk_norm_rope"]
+    assert [c.op for c in fused.inserted if c.kernel] == ["kopt::qk_norm_rope"] * fused.sites
+    totals = fused.totals()
+    assert totals["kernels_removed"] > totals["kernels_inserted"]
+    saved = sympy.expand(totals["bytes_removed"] - totals["bytes_inserted"])
+    assert saved.free_symbols == {S_IMG, S_TXT} and all(
+        v > 0 for v in sympy.Poly(saved, S_IMG, S_TXT).coeffs())
+
+
+def _synthetic(gm: fx.GraphModule, truth: DeviceModel, device: str) -> Attribution:
+    """The attribution ``truth`` predicts for every node of ``gm`` (no noise)."""
+    nodes = {}
+    for c in count_graph(gm):
+        if "/" in c.node or (not c.kernel and not c.dispatched):
+            continue
+        kernel = truth.kernel_ms(c)
+        host = truth.host_ms(c) - truth.node_us / 1e3
+        ms = kernel if device == "cuda" else kernel + host  # on a CPU, launch_us is 0
+        calls = round(truth.launches(c)) if device == "cuda" else 1
+        nodes[c.node] = NodeCost(c.node, c.op, ms=ms, calls=calls, flops=0, bytes=0,
+                                 category=c.category, dtype=c.dtype, host_ms=host, min_ms=ms)
+    return Attribution(device, 1, nodes, {}, 1.0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fit_recovers_the_parameters_that_made_the_trace(device: str, llm) -> None:  # noqa: ANN001
+    """Times generated from known parameters (CPU: op times; CUDA: kernel and host times and
+    kernels per op), one (fixed cost, efficiency) per group the trace can tell apart, are
+    fitted back to those parameters."""
+    import statistics
+
+    from kopt.cost.calibrate import ANY_KERNEL, _groups, _samples, _varied
+
+    cap, spec = llm
+    cuda = device == "cuda"
+    uniform = H200.with_(efficiency={}, fixed_us={}, kernels_per_op={})
+    probe = [(g, _synthetic(g, uniform, device)) for g in (cap.gm, spec.gm)]
+    samples = _samples(probe)
+    roof = [uniform.roofline_ms(x.count.flops, x.count.bytes, x.count.dtype) for x in samples]
+    group = _groups(samples, roof, 3)
+    keys = sorted(set(group.values()))
+    assert ANY_KERNEL in keys and len(keys) >= 4, keys
+    fixed = {k: 1.0 + 0.5 * i for i, k in enumerate(keys) if k != ANY_KERNEL}
+    shared = [r for x, r in zip(samples, roof, strict=True)
+              if x.count.kernel and group[x.count.op] == ANY_KERNEL]
+    truth = uniform.with_(
+        launch_us=5.5 if cuda else 0.0, view_us=1.7, fixed_us=fixed,
+        kernel_us=2.5 if _varied(shared) else statistics.median(fixed.values()),
+        efficiency={k: 0.3 + 0.05 * i for i, k in enumerate(keys)},
+        kernels_per_op={"aten::linear": 2.0} if cuda else {})
+    pairs = [(g, _synthetic(g, truth, device)) for g in (cap.gm, spec.gm)]
+    got = fit(pairs, base=uniform)
+    assert got.launch_us == pytest.approx(truth.launch_us, abs=1e-6)
+    assert got.view_us == pytest.approx(1.7, rel=1e-6)
+    assert got.kernels_per_op == truth.kernels_per_op
+    kernels = [x.count for x in samples if x.count.kernel]
+    assert {c.op for c in kernels} >= {"aten::linear", "aten::_scaled_mm", "kopt::rowwise",
+                                       "aten::cat", "aten::mul"}
+    for c in kernels:  # every op's fixed cost and efficiency, its own or its group's
+        assert got.fixed_of(c) == pytest.approx(truth.fixed_of(c), rel=1e-6), c.op
+        assert got.efficiency_of(c) == pytest.approx(truth.efficiency_of(c), rel=1e-6), c.op
+    assert got.asynchronous == cuda
+    assert "median relative error per node 0%" in got.source
+
+
+def test_fit_groups_ops_only_where_sizes_tell_a_fixed_cost_from_a_rate() -> None:
+    from kopt.cost.calibrate import ANY_KERNEL, _groups, _Sample
+    from kopt.cost.counts import OpCount
+
+    def sample(op: str, category: str) -> _Sample:
+        return _Sample(OpCount("n", op, category, "float32", 0, 0, True),
+                       NodeCost("n", op, ms=1.0))
+
+    rows = [("aten::cat", "elementwise", r) for r in (1.0, 2.0, 8.0)]  # spread: its own
+    rows += [("aten::add", "elementwise", r) for r in (1.0, 1.0)]  # with the category's rest:
+    rows += [("aten::mul", "elementwise", r) for r in (4.0, 4.0)]  # spread
+    rows += [("aten::linear", "gemm", r) for r in (3.0, 3.0, 3.0)]  # one size: shared
+    rows += [("aten::mm", "gemm", 3.0)]
+    got = _groups([sample(op, cat) for op, cat, _ in rows], [r for *_, r in rows], 3)
+    assert got == {"aten::cat": "aten::cat", "aten::add": "elementwise",
+                   "aten::mul": "elementwise", "aten::linear": ANY_KERNEL, "aten::mm": ANY_KERNEL}
+
+
+def test_nnls_keeps_parameters_non_negative() -> None:
+    a = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+    b = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)  # unconstrained slope: -1
+    x = nnls(a, b)
+    assert x[1] == 0 and x[0] == pytest.approx(2.0)
+    exact = nnls(a, a @ torch.tensor([0.5, 2.0], dtype=torch.float64))
+    assert torch.allclose(exact, torch.tensor([0.5, 2.0], dtype=torch.float64))
+
+
+def test_calibrate_fits_a_cpu_trace(one_thread, llm) -> None:  # noqa: ANN001
+    """A real CPU trace of the captured and the optimized graph: the ceilings are the best
+    rates measured, every parameter is positive, and the fitted model costs a graph at four
+    times the tokens higher than at one (its counts, not its fit, say so)."""
+    cap, spec = llm
+    model = calibrate([(cap.gm, cap.example_inputs), (spec.gm, cap.example_inputs)], iters=3)
+    assert not model.asynchronous and model.graph_launch_us is None
+    assert model.peak_tflops["float32"] > 0 and model.bandwidth_gbs > 0
+    assert model.fixed_us and all(v >= 0 for v in model.fixed_us.values())
+    assert model.kernel_us > 0 and model.node_us >= 0
+    assert all(0 < e < math.inf for e in model.efficiency.values())
+    assert all(0 < model.efficiency_of(c) < math.inf and model.fixed_of(c) >= 0
+               for c in count_graph(spec.gm))
+    assert "2 cpu trace(s)" in model.source
+    small = CostModel(model).graph(cap.gm)
+    w4 = build("llm-tiny", seq_len=80)
+    big = CostModel(model).graph(capture_module(w4.model, w4.args, w4.kwargs).gm)
+    assert big.total_ms > small.total_ms and big.bytes > small.bytes
+
+
+def test_device_model_json_round_trip(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "h200.json"
+    H200.save(path)
+    assert DeviceModel.load(path) == H200
+
+
+# A device where FP32 GEMMs are slow and FP8 ones fast, with costly launches: FP8 (one more
+# quantization kernel per GEMM, a faster GEMM) loses at a few tokens and wins at many.
+SLOW_FP32 = DeviceModel("slow-fp32", {"float32": 0.1, "float8_e4m3fn": 100.0}, 1000.0,
+                        launch_us=10.0, graph_launch_us=None, asynchronous=False)
+
+
+def test_gate_skips_fp8_where_it_loses_and_keeps_it_where_it_wins() -> None:
+    cost = CostModel(SLOW_FP32)
+    decisions = {}
+    for seq in (4, 256):
+        w = build("llm-tiny", seq_len=seq)
+        opt = kopt.optimize(w.model, w.args, w.kwargs, FP8, verify=OFF, cost=cost)
+        p = opt.report.ranking.get("fp8")
+        result = opt.report.result("fp8")
+        fp8_nodes = sum(n.target is torch.ops.aten._scaled_mm.default
+                        for n in opt.graph_module.graph.nodes)
+        assert p.applied == (p.saved_ms > 0)
+        if p.applied:
+            assert result.matched == p.sites > 0 and fp8_nodes > 0
+        else:
+            assert result.matched == 0 and fp8_nodes == 0
+            assert any(n.startswith("skipped: predicted to lose") for n in result.notes)
+        decisions[seq] = p.applied
+    assert decisions == {4: False, 256: True}
+
+
+def test_symbolic_ranking_agrees_with_the_captured_one_and_moves_with_tokens(llm_pipe) -> None:  # noqa: ANN001
+    """The fp8 pass's saving from symbolic counts equals the one the pass manager predicted on
+    a real capture of that size, and crosses zero between a few and many tokens."""
+    cost = dataclasses.replace(CostModel(SLOW_FP32), min_saving_ms=-math.inf)  # skip none
+    w = build("llm-tiny", seq_len=8)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8, verify=OFF, cost=cost)
+    assert opt.report.ranking.get("fp8").saved_ms < 0 < opt.report.result("fp8").matched
+    at = {p.name: p for p in llm_pipe.predictions(cost, llm_pipe.values(seq_len=8))}
+    for p in opt.report.ranking.passes:
+        assert at[p.name].saved_ms == pytest.approx(p.saved_ms, rel=1e-9, abs=1e-12), p.name
+    saved = {seq: {p.name: p.saved_ms for p in llm_pipe.predictions(
+        cost, llm_pipe.values(seq_len=seq))}["fp8"] for seq in (4, 64, 4096)}
+    assert saved[4] < 0 < saved[64] < saved[4096]
+
+
+def test_cli_rank_prints_the_ranking_and_uses_a_device_model_file(tmp_path, capsys) -> None:  # noqa: ANN001
+    path = tmp_path / "device.json"
+    SLOW_FP32.save(path)
+    rc = main(["optimize", "-q", "--no-verify", "--model", "llm-tiny", "--shape", "seq_len=4",
+               "--fp8", "--fp8-min-features", "16", "--rank", "--device-model", str(path),
+               "--rank-at", "seq_len=256"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ranking (slow-fp32, eager)" in text and "seq_len=256" in text
+    lines = {ln.split()[1]: ln for ln in text.splitlines() if ln[:4].strip().isdigit()}
+    assert set(PassConfig().enabled()) | {"fp8"} <= set(lines)
+    assert "skipped: predicted to lose" in lines["fp8"]
+    # the column at 256 tokens: fp8 predicted to win there
+    assert float(lines["fp8"].split()[5]) > 0 > float(lines["fp8"].split()[3])
+    assert "skipped: predicted to lose" in text.split("ranking (")[0]  # in the report too
+
+
+def test_cli_rank_with_the_shipped_h200_model(capsys) -> None:  # noqa: ANN001
+    rc = main(["optimize", "-q", "--no-verify", "--model", "llm-tiny", "--rank",
+               "--device-model", "h200", "--cuda-graphs"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ranking (NVIDIA H200, CUDA graph)" in text
+    assert "device model: NVIDIA H200" in text
