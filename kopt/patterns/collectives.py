@@ -28,7 +28,6 @@ anywhere else (straight into a GEMM, an activation) is reported as a near miss.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -36,15 +35,15 @@ import torch
 from torch import fx
 
 import kopt.codegen.kernels.allreduce_norm  # noqa: F401 -- registers kopt::allreduce_residual_norm
-from kopt.graph import describe_node, infer_meta, op_name
+from kopt.graph import op_name
 from kopt.patterns.core import Match, Rejection, StructuralRewrite
 from kopt.patterns.rowwise_fusion import (
     NUMERICS,
-    QUANT_OUTPUTS,
     RESIDUAL_NORM,
     RESIDUAL_NORM_QUANT,
     Site,
     plan,
+    splice,
 )
 from kopt.patterns.rowwise_fusion import describe as describe_rowwise
 
@@ -172,61 +171,10 @@ def _why_not(gm: fx.GraphModule, match: Match) -> str | None:
     return p if isinstance(p, str) else None
 
 
-def _forwarding(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """Values earlier sites replaced, old node -> new one: the next block's site names the
-    residual stream an earlier site rewrote."""
-    if not hasattr(graph, "_kopt_allreduce_forward"):
-        graph._kopt_allreduce_forward = {}  # type: ignore[attr-defined]
-    return graph._kopt_allreduce_forward  # type: ignore[attr-defined]
-
-
 def fuse(gm: fx.GraphModule, match: Match) -> None:
-    site: Site = match.bindings["site"]
     r: Reduced = match.bindings["reduced"]
-    p = plan(gm, site)
-    if isinstance(p, str):  # the pass runs the guard first
-        raise RuntimeError(f"{match.rewrite} at {match.site}: {p}")
-    g = gm.graph
-    forward = _forwarding(g)
-
-    def live(n: fx.Node) -> fx.Node:
-        while n in forward:
-            n = forward[n]
-        return n
-
-    def call(target: object, *args: object) -> fx.Node:
-        node = g.call_function(target, args)
-        infer_meta(gm, node)
-        return node
-
-    inputs = [live(r.partial if name == "y" else n) for name, n in p.inputs.items()]
-    replaced: list[fx.Node] = []
-    with g.inserting_before(match.anchor):
-        fused = call(ALLREDUCE_NORM, inputs, p.spec.to_json(), r.group)
-        fused.meta["kopt_from"] = f"allreduce_residual_norm({describe_node(site.norm.out)})"
-        outs = {name: call(operator.getitem, fused, i)
-                for i, name in enumerate(p.spec.output_names())}
-        if site.quant is not None:
-            for u in list(site.quant.users):
-                value = outs[QUANT_OUTPUTS[site.quant.target][u.args[1]]]
-                if tuple(value.meta["val"].shape) != tuple(u.meta["val"].shape):
-                    value = call(aten.reshape.default, value, list(u.meta["val"].shape))
-                u.replace_all_uses_with(value)
-                forward[u] = value
-                replaced.append(u)
-    for kind, old in (("residual", site.h), ("out", site.end)):
-        if kind in outs:
-            old.replace_all_uses_with(outs[kind])
-            forward[old] = outs[kind]
-    dead = set(site.nodes) | set(replaced) | {r.wait, r.reduce}
-    while dead:
-        gone = [n for n in dead if not n.users]
-        if not gone:
-            raise RuntimeError(f"{match.rewrite} at {match.site}: nodes still used: "
-                               f"{sorted(n.name for n in dead)}")
-        for n in gone:
-            g.erase_node(n)
-            dead.discard(n)
+    splice(gm, match, ALLREDUCE_NORM, "allreduce_residual_norm", substitute={"y": r.partial},
+           extra_args=(r.group,), extra_dead=(r.wait, r.reduce))
 
 
 def describe(match: Match) -> str:

@@ -43,6 +43,7 @@ import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -499,12 +500,23 @@ def _forwarding(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
 
 def fuse(gm: fx.GraphModule, match: Match) -> None:
+    splice(gm, match, ROWWISE, "rowwise")
+
+
+def splice(gm: fx.GraphModule, match: Match, op: Any, label: str,
+           substitute: dict[str, fx.Node] | None = None, extra_args: tuple = (),
+           extra_dead: tuple[fx.Node, ...] = ()) -> None:
+    """Replace the matched site by ``op(inputs, spec, *extra_args)`` (the planned row-wise spec;
+    ``substitute`` names inputs taken from elsewhere, e.g. the partial sum an all-reduce
+    read): its outputs take over the residual stream, the norm chain's end and the quantized
+    values; the site's nodes and ``extra_dead`` are erased."""
     site: Site = match.bindings["site"]
     p = plan(gm, site)
     if isinstance(p, str):  # the pass runs the guard first
         raise RuntimeError(f"{match.rewrite} at {match.site}: {p}")
     g = gm.graph
     forward = _forwarding(g)
+    substitute = substitute or {}
 
     def live(n: fx.Node) -> fx.Node:
         while n in forward:
@@ -516,29 +528,26 @@ def fuse(gm: fx.GraphModule, match: Match) -> None:
         infer_meta(gm, node)
         return node
 
+    inputs = [live(substitute.get(name, n)) for name, n in p.inputs.items()]
     replaced: list[fx.Node] = []
     with g.inserting_before(match.anchor):
-        fused = call(ROWWISE, [live(n) for n in p.inputs.values()], p.spec.to_json())
-        fused.meta["kopt_from"] = f"rowwise({describe_node(site.norm.out)})"
+        fused = call(op, inputs, p.spec.to_json(), *extra_args)
+        fused.meta["kopt_from"] = f"{label}({describe_node(site.norm.out)})"
         outs = {name: call(operator.getitem, fused, i)
                 for i, name in enumerate(p.spec.output_names())}
         if site.quant is not None:
             for u in list(site.quant.users):
                 value = outs[QUANT_OUTPUTS[site.quant.target][u.args[1]]]
-                if _shape(value) == _shape(u):  # the 1x128 scales: [rows, groups] already
-                    u.replace_all_uses_with(value)
-                    forward[u] = value
-                    replaced.append(u)
-                    continue
-                new = call(aten.reshape.default, value, list(_shape(u)))
-                u.replace_all_uses_with(new)
-                forward[u] = new
+                if _shape(value) != _shape(u):  # the 1x128 scales are [rows, groups] already
+                    value = call(aten.reshape.default, value, list(_shape(u)))
+                u.replace_all_uses_with(value)
+                forward[u] = value
                 replaced.append(u)
     for kind, old in (("residual", site.h), ("out", site.end)):
         if kind in outs:
             old.replace_all_uses_with(outs[kind])
             forward[old] = outs[kind]
-    dead = set(site.nodes) | set(replaced)
+    dead = set(site.nodes) | set(replaced) | set(extra_dead)
     while dead:
         gone = [n for n in dead if not n.users]
         if not gone:
