@@ -347,6 +347,30 @@ def _compare(
     return Verdict(True, numerics.tier, f"worst {worst_detail}, {bound}, {n} seeds")
 
 
+def agree_across_ranks(gm: fx.GraphModule, verdict: Verdict) -> Verdict:
+    """A graph with collectives runs on every rank of its group, and every rank must go on
+    issuing the same collectives: a pass is kept or undone on all ranks alike. The verdicts
+    are combined (one all-reduce of a flag on the default group); where any rank failed, every
+    rank reverts the whole pass without bisecting (a bisection driven by one rank's verdicts
+    would run other verification collectives there than on its peers: a hang)."""
+    import torch.distributed as dist
+
+    from kopt.patterns.collectives import has_collectives
+
+    if not (dist.is_available() and dist.is_initialized()) or not has_collectives(gm.graph):
+        return verdict
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if verdict.passed else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item() == 1:
+        return verdict
+    if verdict.passed:
+        return Verdict(False, verdict.tier, f"failed on another rank (passed here: "
+                       f"{verdict.detail}); undone on every rank", unverifiable=True)
+    return Verdict(False, verdict.tier, f"{verdict.detail}; undone on every rank (no per-site "
+                   "bisection across ranks)", unverifiable=True)
+
+
 def _stateful(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_module" for n in gm.graph.nodes)
 

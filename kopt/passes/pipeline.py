@@ -34,7 +34,7 @@ from kopt.patterns.gemm_epilogue import GEMM_EPILOGUE
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.patterns.rowwise_fusion import ROWWISE_FUSIONS
-from kopt.verify import VerifyOptions, compare
+from kopt.verify import VerifyOptions, agree_across_ranks, compare
 
 if TYPE_CHECKING:
     from kopt.cost import CostModel, PassPrediction, Ranking
@@ -112,6 +112,7 @@ class PassManager:
                      if result.matched and self.verify.enabled else "")
             if result.matched and self.verify.enabled:
                 verdict = compare(gm, candidate, example_inputs, p.numerics, self.verify)
+                verdict = agree_across_ranks(gm, verdict)  # tensor-parallel graphs
                 if not verdict.passed:
                     candidate, result, verdict = self._salvage(p, gm, example_inputs, result,
                                                                verdict)

@@ -126,6 +126,18 @@ def _op_check(rank: int, group: str) -> dict[str, Any]:
     return {name: (got[name], want[name]) for name in spec.output_names()}
 
 
+def _agree_check(rank: int, gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """Verdicts combined across ranks: only rank 1 fails -> every rank undoes the pass, with no
+    bisection; all pass -> kept."""
+    from kopt.passes.base import Verdict
+    from kopt.verify import agree_across_ranks
+
+    ok = Verdict(True, "tolerance", "fine")
+    one_fails = agree_across_ranks(gm, Verdict(rank != 1, "tolerance", f"rank {rank}"))
+    return {"one_fails": (one_fails.passed, one_fails.unverifiable, one_fails.detail),
+            "all_pass": agree_across_ranks(gm, ok).passed}
+
+
 def _worker(rank: int, world: int, init: str, out_dir: str, kinds: tuple[str, ...],
             seeds: tuple[int, ...]) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -147,6 +159,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str, kinds: tuple[str, ..
         x = torch.randn(2, 3, 32)
         opt = kopt.optimize(probe, (x,), verify=VerifyOptions(seeds=seeds))
         rec["probe"] = _summary(opt) | {"out": opt(x), "eager": probe(x)}
+        rec["agree"] = _agree_check(rank, opt.captured_graph)
         torch.save(rec, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -280,3 +293,14 @@ def test_op_matches_all_reduce_then_rowwise(two: list[dict[str, Any]]) -> None:
             else:
                 assert torch.equal(got, want), name
     assert torch.equal(two[0]["op"]["out"][0], two[1]["op"]["out"][0])
+
+
+def test_a_pass_failing_on_one_rank_is_undone_on_every_rank(two, four) -> None:  # noqa: ANN001
+    """Ranks must keep issuing the same collectives: one rank's failed verification undoes
+    the pass everywhere, without a bisection that only that rank would run."""
+    for ranks in (two, four):
+        for rank, rec in enumerate(ranks):
+            passed, unverifiable, detail = rec["agree"]["one_fails"]
+            assert not passed and unverifiable, rank
+            assert ("failed on another rank" in detail) == (rank != 1), detail
+            assert rec["agree"]["all_pass"]
