@@ -163,9 +163,15 @@ def _mm64(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) ->
     return out + _to64(bias) if bias is not None else out
 
 
+def _linear64(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = _mm64(x.reshape(-1, x.shape[-1]), w.t(), bias)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
 _GEMMS = {
     _aten.mm.default: _mm64,
     _aten.addmm.default: lambda bias, a, b: _mm64(a, b, bias),
+    _aten.linear.default: _linear64,
 }
 
 

@@ -158,6 +158,15 @@ def test_fp64_reference_moves_weights_in_their_dtype_and_chunks_gemms(monkeypatc
                 seen[str(n.target)] = out.dtype
             return out
 
+    upcast: list[int] = []  # elements of every float32 tensor the fp64 run copied to fp64
+    to64 = verify._to64
+
+    def spy_to64(t):  # noqa: ANN001, ANN202
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+            upcast.append(t.numel())
+        return to64(t)
+
+    monkeypatch.setattr(verify, "_to64", spy_to64)
     monkeypatch.setattr(verify, "GEMM_CHUNK_BYTES", 8 * 16 * 7)  # 7 columns per block
     with torch.no_grad():
         (ref,) = pytree_leaves(Spy(cap.gm).run(x))
@@ -166,7 +175,9 @@ def test_fp64_reference_moves_weights_in_their_dtype_and_chunks_gemms(monkeypatc
     w = torch.cat([model.w1, model.w2]).double()
     want = x.double() @ w.t() + model.b.double()
     assert torch.allclose(ref, want, rtol=1e-14, atol=1e-14)
-    assert verify.GEMM_CHUNK_BYTES < w.numel() * 8  # the chunked path ran
+    # the 64 x 16 weight was never upcast whole: at most 7 of its columns (16 x 7) at a time,
+    # besides the input (5 x 16) and the bias (64)
+    assert upcast and max(upcast) <= 16 * 7 < w.numel()
 
 
 def pytree_leaves(tree):  # noqa: ANN001, ANN201

@@ -195,7 +195,8 @@ def row_tiling(cols: int, rows: int, min_block: int = 16) -> tuple[int, int, int
     """``(BLOCK, ROWS, num_warps)`` of kopt's row-wise kernels: the whole row in one tile
     (BLOCK = next power of two, masked), several rows per program when rows are short, warps
     so that each thread holds 8-32 values of a tile (a 4096-wide tile at 4 warps was the best of
-    12 tilings for every W1 row-wise kernel on the H200; more rows per program was slower)."""
+    12 tilings for each of the 5 ``kopt::rowwise`` specs swept at W1 shapes on the H200, more
+    rows per program slower; the plain quantizers that share this tiling were not swept)."""
     block = max(triton.next_power_of_2(cols), min_block)
     rows_per = max(1, min(16, 2048 // block, triton.next_power_of_2(max(rows, 1))))
     elems = block * rows_per
