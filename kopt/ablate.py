@@ -130,9 +130,9 @@ class Ablation:
         return out
 
     def _all(self) -> Row:
-        cumulative = [r for r in self.rows if r.kind == "cumulative"]
-        if cumulative:
-            return cumulative[-1]
+        every = [r for r in self.rows if r.kind in ("cumulative", "all")]
+        if every:
+            return every[-1]
         return max(self.rows, key=lambda r: len(r.passes))
 
     def markdown(self) -> str:
@@ -277,6 +277,8 @@ def variants(config: PassConfig, order: Sequence[str],
             out.append(Variant(f"+ {ranked[k - 1]}", "cumulative",
                                tuple(p for p in on if p in chosen), cfg, ranked[k - 1]))
     if "leave-one-out" in kinds:
+        if "cumulative" not in kinds:  # what each pass is left out of
+            out.append(Variant("all", "all", on, config))
         out += [Variant(f"all - {p}", "leave-one-out", tuple(q for q in on if q != p),
                         config.replace(**{p: _off(p)}), p) for p in on]
     return out

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "PyTorch inference.")
     sub = p.add_subparsers(dest="command", required=True)
     o = argparse.ArgumentParser(add_help=False)  # what optimize and profile share
+    defaults = PassConfig()
+    off_by_default = [p for p in PassConfig.pass_names() if getattr(defaults, p) is False]
     from kopt.kb import cli as kb_cli
 
     kb_cli.add_optimize_arguments(o)  # --kb PATH, --no-kb, --retry, --workload NAME
@@ -50,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="workload shape, e.g. --shape height=512 --shape text_tokens=64")
     o.add_argument("--disable", action="append", default=[], metavar="PASS",
                    choices=PassConfig.pass_names(), help="turn a pass off (repeatable)")
+    o.add_argument("--enable", action="append", default=[], metavar="PASS",
+                   choices=off_by_default,
+                   help=f"turn on a pass that is off by default: {', '.join(off_by_default)} "
+                   "(repeatable; fp8 has --fp8)")
     o.add_argument("--fp8", action="store_true",
                    help="turn eligible linears into FP8 GEMMs (rowwise scales; lossy, verified "
                    "against a bound)")
@@ -162,7 +168,11 @@ def _workload(args: argparse.Namespace, device: str | None = None):  # noqa: ANN
 def _config(args: argparse.Namespace):  # noqa: ANN202
     from kopt.passes import FP8Config, PassConfig
 
-    config = PassConfig().replace(**{p: False for p in args.disable})
+    both = set(args.enable) & set(args.disable)
+    if both:
+        raise UsageError(f"{', '.join(sorted(both))}: both --enable and --disable")
+    config = PassConfig().replace(**{p: False for p in args.disable},
+                                  **{p: True for p in args.enable})
     if args.fp8:
         config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
                                               min_features=args.fp8_min_features))
@@ -325,7 +335,7 @@ def _ablate(args: argparse.Namespace) -> int:
     off = sorted(set(args.passes) - set(config.enabled()))
     if off:
         raise UsageError(f"--pass {', '.join(off)}: not enabled (fp8 needs --fp8; "
-                         "gemm_epilogue is off by default)")
+                         "passes off by default need --enable)")
     verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
     print(f"kopt {kopt.__version__}: ablating {w.name}; torch {torch.__version__}, "
           f"{args.dtype} on {args.device}", file=sys.stderr, flush=True)
@@ -346,6 +356,7 @@ def _ablate(args: argparse.Namespace) -> int:
                     print(s, file=sys.stderr, flush=True))
     text = result.markdown()
     print(text)
+    _file_ablation(args, result, cap)
     if args.md:
         Path(args.md).write_text(text + "\n")
     if args.json:
@@ -353,6 +364,24 @@ def _ablate(args: argparse.Namespace) -> int:
     if args.png:
         result.waterfall(args.png)
     return 0
+
+
+def _file_ablation(args: argparse.Namespace, result: Any, cap: Any) -> None:
+    """Savings per pass and dead ends (passes that made this workload slower) into the
+    knowledge base: the next ``kopt optimize`` of the workload skips the dead ends."""
+    from kopt.kb import cli as kb_cli
+    from kopt.kb.verdicts import _inputs_device, record_ablation, workload_key
+
+    with kb_cli.optimize_session(args) as s:
+        if s is None:
+            return
+        workload = s.workload or workload_key(cap.gm, cap.example_inputs)
+        lines = s.guard("recording the ablation", lambda: record_ablation(
+            s.kb, result, workload, s.device or _inputs_device(cap.example_inputs),
+            regime=s.regime), [])
+        print(f"knowledge base {s.kb.path} (workload {workload}):\n"
+              + ("\n".join(f"  recorded: {line}" for line in lines) or "  recorded: nothing"),
+              file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

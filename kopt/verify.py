@@ -26,7 +26,7 @@ control of data rather than its numerics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,17 +149,25 @@ def _one_float_dtype(tree: Any) -> bool:
     return len(dtypes) <= 1
 
 
+def _column_blocks(b: torch.Tensor, scale: torch.Tensor | None = None
+                   ) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``b`` (typically a weight, in its own dtype: bf16, fp8, ...) upcast to fp64 a block of
+    columns at a time, times its per-column ``scale`` if given: an fp64 copy of a whole large
+    weight would not fit (W1's merged modulation weight: 55 GB)."""
+    cols = b.shape[-1] if b.dim() != 2 else max(1, GEMM_CHUNK_BYTES // (8 * b.shape[0]))
+    for j in range(0, b.shape[-1], cols):
+        block = b[..., j:j + cols].to(torch.float64)
+        if scale is not None:
+            block = block * (scale[..., j:j + cols] if scale.numel() > 1 else scale)
+        yield slice(j, j + cols), block
+
+
 def _mm64(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b (+ bias)`` in fp64, with ``b`` (typically a weight, in its own dtype) upcast a
-    block of columns at a time: an fp64 copy of a whole large weight would not fit."""
+    """``a @ b (+ bias)`` in fp64, ``b`` upcast a block of columns at a time."""
     a = _to64(a)
-    if b.numel() * 8 <= GEMM_CHUNK_BYTES or b.dim() != 2:
-        out = a @ _to64(b)
-    else:
-        cols = max(1, GEMM_CHUNK_BYTES // (8 * b.shape[0]))
-        out = a.new_empty((a.shape[0], b.shape[1]))
-        for j in range(0, b.shape[1], cols):
-            out[:, j:j + cols] = a @ _to64(b[:, j:j + cols])
+    out = a.new_empty((*a.shape[:-1], b.shape[-1]))
+    for cols, block in _column_blocks(b):
+        out[..., cols] = a @ block
     return out + _to64(bias) if bias is not None else out
 
 
@@ -180,8 +188,11 @@ def _scaled_mm64(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                  scale_result: torch.Tensor | None = None, out_dtype: Any = None,
                  use_fast_accum: bool = False) -> torch.Tensor:
     """The exact value of an FP8 GEMM of these quantized operands, in fp64 (the fp8 kernel
-    itself has no fp64 variant)."""
-    out = (a.double() * scale_a.double()) @ (b.double() * scale_b.double())
+    itself has no fp64 variant); the fp8 weight is upcast a block of columns at a time."""
+    a = a.double() * scale_a.double()
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    for cols, block in _column_blocks(b, scale_b.double()):
+        out[:, cols] = a @ block
     if bias is not None:
         out = out + bias.double()
     return out * scale_result.double() if scale_result is not None else out

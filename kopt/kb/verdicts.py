@@ -150,3 +150,44 @@ def pipeline_run(gm: Any, example_inputs: Sequence[Any]) -> PipelineRun:
     s.last_workload, s.last_device = run.workload, run.device
     s.in_pipeline, s.pending = True, []
     return run
+
+
+# An ablation difference smaller than this share of the full pipeline's time is noise.
+NOISE = 0.005
+
+
+def record_ablation(kb: KnowledgeBase, ablation: Any, workload: str, device: str, *,
+                    regime: str | None = None) -> list[str]:
+    """File what an ablation (:class:`kopt.ablate.Ablation`) measured: per pass, its saving in
+    the full pipeline (leave-one-out rows, else alone) as an end-to-end measurement, and a
+    ``dead_end`` for a pass that made the model slower by more than :data:`NOISE` (tagged
+    ``slower-under-cuda-graphs`` when it only loses replayed from a CUDA graph). The next run
+    on this workload and device skips a dead end with that cause. Returns the report lines."""
+    kind = "leave-one-out" if any(r.kind == "leave-one-out" for r in ablation.rows) else "alone"
+    eager = ablation.savings(kind)
+    graphs = ablation.savings(kind, graphs=True) if any(
+        r.graph_ms is not None for r in ablation.rows) else {}
+    full, base = ablation._all(), ablation.baseline
+    lines = []
+    for name, (_, saved) in eager.items():
+        saved_graph = graphs.get(name, (None, None))[1]
+        where = [("eager", saved, full.ms, base.ms)]
+        if saved_graph is not None:
+            where.append(("CUDA graph", saved_graph, full.graph_ms, base.graph_ms))
+        for mode, ms, total, baseline in where:
+            # time per call without the pass: all passes but it, or none at all
+            without = total + ms if kind == "leave-one-out" else baseline
+            mid = kb.record_measurement(
+                "e2e", workload, device, without, without - ms, cuda_graphs=mode != "eager",
+                rewrite=name, note=f"ablation ({kind}): ms per call without / with {name}")
+            lines.append(f"M{mid}: {name} saves {ms:+.3f} ms per call ({mode}, {kind})")
+        losses = {mode: ms for mode, ms, total, _ in where if ms < -NOISE * total}
+        if not losses:
+            continue
+        said = "; ".join(f"{-ms:.3f} ms per call slower {mode}" for mode, ms in losses.items())
+        tags = ("slower-under-cuda-graphs",) if set(losses) == {"CUDA graph"} else ("slower",)
+        vid = kb.record_verdict(name, "dead_end", workload=workload, device=device,
+                                cause=f"measured by ablation ({kind}): {said}", tags=tags,
+                                regime=regime, origin="ablation")
+        lines.append(f"V{vid}: {name} is a dead end here: {said}")
+    return lines

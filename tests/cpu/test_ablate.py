@@ -41,6 +41,10 @@ def test_variants_flip_one_field_at_a_time() -> None:
         assert missing == {v.name.removeprefix("all - ")}
     assert [v.kind for v in variants(config, order, kinds=("alone",))] == [
         "baseline"] + ["alone"] * len(on)
+    # leave-one-out alone still measures the row every pass is left out of
+    loo = variants(config, order, kinds=("leave-one-out",))
+    assert [v.kind for v in loo] == ["baseline", "all"] + ["leave-one-out"] * len(on)
+    assert loo[1].config == config
 
 
 def test_spearman() -> None:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kopt.cli import main
@@ -53,6 +54,17 @@ def test_disable_turns_a_pass_off(capsys) -> None:  # noqa: ANN001
     assert main(["optimize", "--model", "llm-tiny", "--disable", "merge_projections", "-q"]) == 0
     out = capsys.readouterr().out
     assert "merge_projections" not in out.split("kopt report")[1]
+
+
+def test_enable_turns_on_a_pass_that_is_off_by_default(capsys) -> None:  # noqa: ANN001
+    assert main(["optimize", "--model", "llm-tiny", "--fp8", "--fp8-min-features", "16",
+                 "--enable", "gemm_epilogue", "-q"]) == 0
+    report = capsys.readouterr().out.split("kopt report")[1]
+    assert "gemm_epilogue" in report
+    assert main(["optimize", "--enable", "gemm_epilogue", "--disable", "gemm_epilogue"]) == 2
+    assert "both --enable and --disable" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # on by default: nothing to enable
+        main(["optimize", "--enable", "hoist"])
 
 
 def test_full_size_model_on_a_small_machine_is_refused_with_numbers(capsys, monkeypatch) -> None:  # noqa: ANN001, E501

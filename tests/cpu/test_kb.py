@@ -601,3 +601,75 @@ def test_default_path_follows_the_cache_dir(tmp_path: Path,
     assert kb is not None and kb.path == tmp_path / "cache" / "kb.sqlite"
     kb.close()
     assert (tmp_path / "cache" / "kb.sqlite").exists()
+
+
+# -- ablation -> dead ends --------------------------------------------------------------------
+
+def _ablation(rows: dict[str, tuple[float, float]]):  # noqa: ANN202
+    """An Ablation of three passes with leave-one-out rows: variant -> (eager, graph) ms."""
+    from kopt.ablate import Ablation, Row
+
+    passes = ("cse", "hoist", "fp8")
+    out = Ablation("W1", "cuda", "bf16", 2, 5, order=passes)
+    for variant, (ms, graph_ms) in rows.items():
+        kind, left = ("baseline", None) if variant == "baseline" else (
+            ("cumulative", None) if variant == "all" else ("leave-one-out", variant[6:]))
+        on = () if kind == "baseline" else tuple(p for p in passes if p != left)
+        out.rows.append(Row(variant, kind, left or (passes[-1] if kind == "cumulative" else None),
+                            on, ms, graph_ms, None, None, 10 * len(on), None, "not verified",
+                            None))
+    return out
+
+
+def test_an_ablation_files_savings_and_the_passes_that_lose_as_dead_ends(
+        kb: KnowledgeBase) -> None:
+    from kopt.kb.verdicts import record_ablation
+
+    ablation = _ablation({"baseline": (130.0, 120.0), "all": (100.0, 90.0),
+                          "all - cse": (100.1, 90.1),   # +0.1 ms: noise, kept
+                          "all - hoist": (104.0, 94.0),  # hoist saves 4 ms: kept
+                          "all - fp8": (99.0, 88.0)})   # fp8 costs 1 ms eager, 2 ms graphed
+    lines = record_ablation(kb, ablation, "W1", H200)
+    dead = {v.rewrite: v for v in kb.verdicts() if v.verdict == "dead_end"}
+    assert set(dead) == {"fp8"} and dead["fp8"].origin == "ablation"
+    assert dead["fp8"].tags == ("slower",) and "2.000 ms per call slower CUDA graph" in \
+        dead["fp8"].cause and "1.000 ms per call slower eager" in dead["fp8"].cause
+    assert kb.dead_end("fp8", H200, "W1") is not None and kb.dead_end("hoist", H200, "W1") is None
+    saved = {(m.rewrite, m.cuda_graphs): (m.baseline_ms, m.candidate_ms)
+             for m in kb.measurements()}
+    assert saved[("hoist", True)] == pytest.approx((94.0, 90.0))
+    assert saved[("fp8", False)] == pytest.approx((99.0, 100.0))
+    assert len(saved) == 6 and any("fp8 is a dead end" in line for line in lines)
+    # losing only when replayed from a CUDA graph is tagged so
+    graphed = _ablation({"baseline": (130.0, 120.0), "all": (100.0, 90.0),
+                         "all - cse": (101.0, 89.0)})
+    record_ablation(kb, graphed, "W2", H200)
+    assert kb.dead_end("cse", H200, "W2").tags == ("slower-under-cuda-graphs",)
+
+
+def test_cli_ablate_files_dead_ends_that_optimize_then_skips(tmp_path: Path, capsys,  # noqa: ANN001
+                                                              monkeypatch) -> None:  # noqa: ANN001
+    """`kopt ablate` files its measurements; a pass it measured as slower is skipped by the
+    next `kopt optimize` of the same workload, with the measured cause in the report."""
+    import kopt.kb.verdicts as verdicts
+    from kopt.cli import main
+
+    real = verdicts.record_ablation
+
+    def cse_loses(kb, ablation, workload, device, **kw):  # noqa: ANN001, ANN003, ANN202
+        every = ablation._all()  # make "all - cse" faster than all: cse measured as a loss
+        ablation.rows = [r if r.variant != "all - cse" else
+                         type(r)(**{**r.__dict__, "ms": every.ms * 0.9}) for r in ablation.rows]
+        return real(kb, ablation, workload, device, **kw)
+
+    monkeypatch.setattr(verdicts, "record_ablation", cse_loses)
+    path = str(tmp_path / "kb.sqlite")
+    assert main(["ablate", "-q", "--model", "llm-tiny", "--pass", "cse", "--pass",
+                 "merge_projections", "--kind", "leave-one-out", "--iters", "1", "--warmup",
+                 "1", "--seeds", "0", "--no-verify", "--device-model", "h200",
+                 "--kb", path]) == 0
+    err = capsys.readouterr().err
+    assert "cse is a dead end here" in err
+    assert main(["optimize", "-q", "--model", "llm-tiny", "--kb", path]) == 0
+    out = capsys.readouterr().out
+    assert "cse skipped: a dead end" in out and "measured by ablation (leave-one-out)" in out

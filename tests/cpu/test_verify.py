@@ -158,15 +158,8 @@ def test_fp64_reference_moves_weights_in_their_dtype_and_chunks_gemms(monkeypatc
                 seen[str(n.target)] = out.dtype
             return out
 
-    upcast: list[int] = []  # elements of every float32 tensor the fp64 run copied to fp64
-    to64 = verify._to64
-
-    def spy_to64(t):  # noqa: ANN001, ANN202
-        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-            upcast.append(t.numel())
-        return to64(t)
-
-    monkeypatch.setattr(verify, "_to64", spy_to64)
+    upcast: list[int] = []  # elements of every tensor the fp64 run copied to fp64
+    monkeypatch.setattr(torch.Tensor, "to", _spy_fp64_copies(torch.Tensor.to, upcast))
     monkeypatch.setattr(verify, "GEMM_CHUNK_BYTES", 8 * 16 * 7)  # 7 columns per block
     with torch.no_grad():
         (ref,) = pytree_leaves(Spy(cap.gm).run(x))
@@ -177,7 +170,36 @@ def test_fp64_reference_moves_weights_in_their_dtype_and_chunks_gemms(monkeypatc
     assert torch.allclose(ref, want, rtol=1e-14, atol=1e-14)
     # the 64 x 16 weight was never upcast whole: at most 7 of its columns (16 x 7) at a time,
     # besides the input (5 x 16) and the bias (64)
-    assert upcast and max(upcast) <= 16 * 7 < w.numel()
+    assert 16 * 7 in upcast and max(upcast) <= 16 * 7 < w.numel()
+
+
+def _spy_fp64_copies(to, sizes: list[int]):  # noqa: ANN001, ANN202
+    """``Tensor.to`` that records the size of every copy to fp64 it makes."""
+    def spy(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = to(self, *args, **kwargs)
+        if out.dtype == torch.float64 and self.dtype != torch.float64:
+            sizes.append(self.numel())
+        return out
+    return spy
+
+
+def test_fp64_reference_of_an_fp8_gemm_upcasts_its_weight_in_blocks(monkeypatch) -> None:  # noqa: ANN001
+    """The fp64 value of ``_scaled_mm`` (the FP8 linears) upcasts its fp8 weight a block of
+    columns at a time, scaled per column: W1's merged modulation GEMM in FP8 would otherwise
+    need a 55 GB fp64 copy. The result is the exact product of the dequantized operands."""
+    import kopt.verify as verify
+
+    a = torch.randn(5, 16).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 40).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(5, 1) + 0.5, torch.rand(1, 40) + 0.5
+    bias = torch.randn(40)
+    want = (a.double() * sa.double()) @ (b.double() * sb.double()) + bias.double()
+    upcast: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "to", _spy_fp64_copies(torch.Tensor.to, upcast))
+    monkeypatch.setattr(verify, "GEMM_CHUNK_BYTES", 8 * 16 * 7)  # 7 columns per block
+    got = verify._scaled_mm64(a, b, sa, sb, bias)
+    assert torch.allclose(got, want, rtol=1e-14, atol=1e-12)
+    assert upcast.count(16 * 7) == 5 and max(upcast) <= 16 * 7 < b.numel()  # 40 = 5 x 7 + 5
 
 
 def pytree_leaves(tree):  # noqa: ANN001, ANN201
