@@ -154,12 +154,20 @@ def bench_block(rank: int, world: int, group: str, args: argparse.Namespace) -> 
     out = {}
     for name, config in (("kopt, unfused", kopt.PassConfig(fuse_allreduce_norm=False)),
                          ("kopt, fused", kopt.PassConfig())):
-        opt = kopt.optimize(local.model, local.args, local.kwargs, config)
-        fused = opt.report.result("fuse_allreduce_norm").matched if config.fuse_allreduce_norm \
-            else 0
-        with torch.no_grad():
-            ms = time_ms(lambda opt=opt: opt(*local.args), args.warmup, args.iters, args.repeats)
-        out[name] = {"ms": ms, "fused_sites": fused, "verified": opt.report.verified}
+        for graphs in (False, True):
+            label = name + (", CUDA graph" if graphs else "")
+            try:
+                opt = kopt.optimize(local.model, local.args, local.kwargs, config,
+                                    cuda_graphs=graphs)
+                fused = opt.report.result("fuse_allreduce_norm").matched \
+                    if config.fuse_allreduce_norm else 0
+                with torch.no_grad():
+                    ms = time_ms(lambda opt=opt: opt(*local.args), args.warmup, args.iters,
+                                 args.repeats)
+            except Exception as exc:  # noqa: BLE001 -- reported in the results, the rest runs
+                out[label] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                continue
+            out[label] = {"ms": ms, "fused_sites": fused, "verified": opt.report.verified}
     return out
 
 
@@ -209,8 +217,9 @@ def main() -> None:
         results["block"] = bench_block(rank, world, group, args)
         if rank == 0:
             for name, r in results["block"].items():
-                print(f"W2 block   {name:<16} {r['ms']:8.3f} ms  fused sites "
-                      f"{r['fused_sites']}, verified {r['verified']}")
+                print(f"W2 block   {name:<28} " + (r["error"] if "error" in r else
+                      f"{r['ms']:8.3f} ms  fused sites {r['fused_sites']}, verified "
+                      f"{r['verified']}"), flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
