@@ -168,7 +168,26 @@ def bench_block(rank: int, world: int, group: str, args: argparse.Namespace) -> 
                 out[label] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 continue
             out[label] = {"ms": ms, "fused_sites": fused, "verified": opt.report.verified}
+            if args.profile and not graphs:
+                out[label]["kernels"] = _top_kernels(lambda opt=opt: opt(*local.args))
     return out
+
+
+def _top_kernels(fn: Callable[[], object], calls: int = 5, top: int = 15) -> list[dict]:
+    """The kernels of ``calls`` calls by total GPU time (this rank), per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    rows = [{"name": e.key[:120], "us_per_call": e.device_time_total / calls,
+             "count_per_call": e.count / calls}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us_per_call"])[:top]
 
 
 def main() -> None:
@@ -178,6 +197,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--block", action="store_true", help="also time a sharded W2 DiT block")
+    p.add_argument("--profile", action="store_true",
+                   help="with --block: also list each variant's top kernels (no CUDA graph)")
+    p.add_argument("--only-block", action="store_true", help="skip the cases, time the block")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
 
@@ -196,7 +218,7 @@ def main() -> None:
               f"{'available' if results['symm_mem'] else 'UNAVAILABLE (fused = NCCL fallback)'}"
               f"; env {env}")
     with torch.no_grad():
-        for case in args.cases.split(","):
+        for case in ([] if args.only_block else args.cases.split(",")):
             spec = SPECS[case]
             ins = _inputs(spec, rank, dev)
             fns = variants(spec, group)
@@ -220,6 +242,8 @@ def main() -> None:
                 print(f"W2 block   {name:<28} " + (r["error"] if "error" in r else
                       f"{r['ms']:8.3f} ms  fused sites {r['fused_sites']}, verified "
                       f"{r['verified']}"), flush=True)
+                for k in r.get("kernels", ()):
+                    print(f"    {k['us_per_call']:9.1f} us  x{k['count_per_call']:<4g} {k['name']}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
