@@ -146,12 +146,15 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int, repeats: int) -> 
 
 
 def bench_block(rank: int, world: int, group: str, args: argparse.Namespace) -> dict:
-    """One sharded W2 DiT block: kopt with and without fuse_allreduce_norm."""
+    """One sharded W2 DiT block: kopt with and without fuse_allreduce_norm, eager and replayed
+    from CUDA graphs. The variants are timed in turns (one measurement of each per round, the
+    median over ``--repeats`` rounds), so clock drift over the run affects them alike."""
     import kopt
     from kopt.models.tp import W2_DIT, build_shard
 
     local, _ = build_shard(W2_DIT, rank, world, group, device="cuda", dtype=BF16)
-    out = {}
+    out: dict[str, dict] = {}
+    runs: dict[str, Callable[[], object]] = {}
     for name, config in (("kopt, unfused", kopt.PassConfig(fuse_allreduce_norm=False)),
                          ("kopt, fused", kopt.PassConfig())):
         for graphs in (False, True):
@@ -159,17 +162,24 @@ def bench_block(rank: int, world: int, group: str, args: argparse.Namespace) -> 
             try:
                 opt = kopt.optimize(local.model, local.args, local.kwargs, config,
                                     cuda_graphs=graphs)
-                fused = opt.report.result("fuse_allreduce_norm").matched \
-                    if config.fuse_allreduce_norm else 0
-                with torch.no_grad():
-                    ms = time_ms(lambda opt=opt: opt(*local.args), args.warmup, args.iters,
-                                 args.repeats)
             except Exception as exc:  # noqa: BLE001 -- reported in the results, the rest runs
                 out[label] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 continue
-            out[label] = {"ms": ms, "fused_sites": fused, "verified": opt.report.verified}
-            if args.profile and not graphs:
-                out[label]["kernels"] = _top_kernels(lambda opt=opt: opt(*local.args))
+            fused = opt.report.result("fuse_allreduce_norm").matched \
+                if config.fuse_allreduce_norm else 0
+            out[label] = {"fused_sites": fused, "verified": opt.report.verified}
+            runs[label] = lambda opt=opt: opt(*local.args)
+    samples: dict[str, list[float]] = {label: [] for label in runs}
+    with torch.no_grad():
+        for fn in runs.values():
+            time_ms(fn, args.warmup, args.iters, 1)
+        for _ in range(args.repeats):
+            for label, fn in runs.items():
+                samples[label].append(time_ms(fn, 2, args.iters, 1))
+    for label, fn in runs.items():
+        out[label]["ms"] = statistics.median(samples[label])
+        if args.profile and "CUDA graph" not in label:
+            out[label]["kernels"] = _top_kernels(fn)
     return out
 
 
