@@ -84,6 +84,10 @@ def main() -> None:
     if args.child:
         Path(args.child).write_text(json.dumps(child(args)))
         return
+    cuda = args.device.startswith("cuda")
+    meta = {"model": args.model, "fp8": args.fp8, "enable": args.enable, "seeds": args.seeds,
+            "device": torch.cuda.get_device_name() if cuda else args.device,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
@@ -99,13 +103,8 @@ def main() -> None:
               f"{run['first_call_s']:.1f} s = {run['to_optimized_s']:.1f} s to the optimized "
               f"model (second call {run['second_call_s'] * 1e3:.1f} ms; build "
               f"{run['build_s']:.1f} s)\n{run['kb']}", flush=True)
-    if args.json:
-        cuda = args.device.startswith("cuda")
-        meta = {"model": args.model, "fp8": args.fp8, "enable": args.enable,
-                "seeds": args.seeds,
-                "device": torch.cuda.get_device_name() if cuda else args.device,
-                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-        Path(args.json).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+        if args.json:  # after every run: a run cut short keeps the ones before it
+            Path(args.json).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
