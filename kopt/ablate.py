@@ -3,7 +3,8 @@
 From one capture, every variant is optimized anew (ablation is flipping ``PassConfig``
 fields) and timed per call:
 
-* ``baseline``: no pass (the captured graph as it is);
+* ``baseline``: no pass (the captured graph as it is), or only the passes not ablated (the
+  context, e.g. ``fp8`` when ablating the GEMM epilogue that needs it);
 * ``alone``: each pass by itself on the baseline;
 * ``cumulative``: the passes added one by one in the cost model's rank order (the last row is
   every pass);
@@ -89,6 +90,7 @@ class Ablation:
     rows: list[Row] = field(default_factory=list)
     ranking: Ranking | None = None
     device_model: str = ""
+    context: tuple[str, ...] = ()  # passes on in every row, the baseline included
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M"))
     torch_version: str = torch.__version__
 
@@ -141,7 +143,9 @@ class Ablation:
         head = (f"### Ablation: {self.model}, {self.dtype} on {self.device} "
                 f"({self.date}, torch {self.torch_version})\n\n"
                 f"Median of {self.iters} timed steps of {self.calls_per_step} call(s), per call. "
-                f"Predicted: {self.device_model or 'no cost model'}.\n\n")
+                f"Predicted: {self.device_model or 'no cost model'}.\n\n"
+                + (f"On in every row, the baseline included (not ablated): "
+                   f"{', '.join(self.context)}.\n\n" if self.context else ""))
         cols = ["variant", "sites", "ms/call", "saved"]
         if graphs:
             cols += ["ms/call (CUDA graph)", "saved (graph)"]
@@ -180,7 +184,7 @@ class Ablation:
             "model": self.model, "device": self.device, "dtype": self.dtype,
             "calls_per_step": self.calls_per_step, "iters": self.iters, "date": self.date,
             "torch": self.torch_version, "device_model": self.device_model,
-            "order": list(self.order),
+            "order": list(self.order), "context": list(self.context),
             "rows": [dataclasses.asdict(r) for r in self.rows],
             "savings": {k: self.savings(k) for k in KINDS},
             "ranking": None if self.ranking is None else [
@@ -259,12 +263,15 @@ def _off(name: str) -> Any:
     return False if isinstance(getattr(PassConfig(), name), bool) else None
 
 
-def variants(config: PassConfig, order: Sequence[str],
-             kinds: Sequence[str] = KINDS) -> list[Variant]:
+def variants(config: PassConfig, order: Sequence[str], kinds: Sequence[str] = KINDS,
+             context: Sequence[str] = ()) -> list[Variant]:
     """Baseline, then the rows of ``kinds`` over the passes ``config`` enables; ``order`` is
-    the cumulative rows' order (passes of ``config`` not in it are appended)."""
-    on = config.enabled()
-    none = PassConfig(**{p: _off(p) for p in PassConfig.pass_names()})
+    the cumulative rows' order (passes of ``config`` not in it are appended). ``context``:
+    passes of ``config`` that stay on in every row, the baseline included (not ablated: e.g.
+    ``fp8``, which the GEMM epilogue needs)."""
+    on = tuple(p for p in config.enabled() if p not in context)
+    none = PassConfig(**{p: getattr(config, p) if p in context else _off(p)
+                         for p in PassConfig.pass_names()})
     out = [Variant("baseline", "baseline", (), none)]
     if "alone" in kinds:
         out += [Variant(f"{p} alone", "alone", (p,), none.replace(**{p: getattr(config, p)}), p)
@@ -321,34 +328,37 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
     ``cost``: ranks the passes (the cumulative order) and predicts each row; without it the
     order is the pipeline's. ``captured``: reuse a capture of ``w``.
     """
+    context: tuple[str, ...] = ()
     if passes is not None:
         unknown = set(passes) - set(config.enabled())
         if unknown:
             raise ValueError(f"passes {sorted(unknown)} are not enabled in the config")
-        config = config.replace(**{p: _off(p) for p in config.enabled() if p not in passes})
+        context = tuple(p for p in config.enabled() if p not in passes)
     cap = captured or capture_module(w.model, w.args, w.kwargs)
     inputs = step_inputs(w)
     device = next((t.device for t in cap.example_inputs if isinstance(t, torch.Tensor)),
                   torch.device("cpu"))
     cuda = device.type == "cuda"
     ranking = None
-    order: tuple[str, ...] = config.enabled()
+    order = tuple(p for p in config.enabled() if p not in context)
     if cost is not None:
         everything = dataclasses.replace(cost, min_saving_ms=-math.inf)  # rank, skip nothing
         spec = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0,
                                  cost=everything)
         ranking = spec.report.ranking
-        order = tuple(p.name for p in ranking.ranked() if p.name in config.enabled())
+        order = tuple(p.name for p in ranking.ranked()
+                      if p.name in config.enabled() and p.name not in context)
         del spec
     result = Ablation(w.name, str(device), str(next(
         (t.dtype for t in cap.example_inputs if isinstance(t, torch.Tensor)
          and t.is_floating_point()), torch.float32)).removeprefix("torch."), w.calls_per_step,
         iters,
-        order, ranking=ranking, device_model=cost.device.describe() if cost else "")
+        order, ranking=ranking, device_model=cost.device.describe() if cost else "",
+        context=context)
     with torch.no_grad():
         reference = _main(cap.gm(*cap.example_inputs)).detach().clone()
     measured: dict[PassConfig, Row] = {}
-    for v in variants(config, order, kinds):
+    for v in variants(config, order, kinds, context):
         known = measured.get(v.config)
         if known is not None:  # the same passes under another name: measured once
             result.rows.append(dataclasses.replace(known, variant=v.name, kind=v.kind,
@@ -380,16 +390,25 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     with torch.no_grad():
         error = relative_error(_main(gm(*cap.example_inputs)), reference)
         ms = median_ms(lambda: step(gm), iters, warmup, device) / calls
-        graph_ms = None
+        graph_ms, graph_error = None, None
         if device.type == "cuda":
-            runner = CudaGraphRunner(gm)
-            graph_ms = median_ms(lambda: step(runner), iters, warmup, device) / calls
+            try:
+                runner = CudaGraphRunner(gm)
+                graph_ms = median_ms(lambda: step(runner), iters, warmup, device) / calls
+            except Exception as exc:  # noqa: BLE001 -- the row says why it has no graph time
+                first = (str(exc).strip().splitlines() or [""])[0]
+                graph_error = f"no CUDA graph: {type(exc).__name__}: {first[:200]}"
+                log.warning("ablate %s: %s", v.name, graph_error)
+                runner = None
+                torch.cuda.synchronize()
     predicted = predicted_graph = None
     if cost is not None:
         predicted = dataclasses.replace(cost, cuda_graphs=False).graph(gm).total_ms
         if device.type == "cuda":
             predicted_graph = dataclasses.replace(cost, cuda_graphs=True).graph(gm).total_ms
     verified, verdict = _verdict(spec.report, verify)
+    if graph_error:
+        verdict = f"{verdict}; {graph_error}"
     return Row(v.name, v.kind, v.subject, v.passes, ms, graph_ms, predicted, predicted_graph,
                spec.report.applied, verified, verdict, error)
 

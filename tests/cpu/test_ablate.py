@@ -47,6 +47,29 @@ def test_variants_flip_one_field_at_a_time() -> None:
     assert loo[1].config == config
 
 
+def test_context_passes_stay_on_in_every_row() -> None:
+    """Ablating some passes keeps the others on everywhere, the baseline included: the GEMM
+    epilogue is ablated on top of fp8, which it needs."""
+    config = PassConfig(fp8=FP8Config(), gemm_epilogue=True)
+    context = tuple(p for p in config.enabled() if p != "gemm_epilogue")
+    rows = variants(config, ("gemm_epilogue",), ("alone", "leave-one-out"), context)
+    assert [v.name for v in rows] == ["baseline", "gemm_epilogue alone", "all",
+                                      "all - gemm_epilogue"]
+    for v in rows:
+        assert set(context) <= set(v.config.enabled()) and v.config.fp8 == FP8Config()
+    assert rows[0].config.gemm_epilogue is False and rows[1].config == config
+
+
+def test_ablating_some_passes_measures_them_on_top_of_the_rest() -> None:
+    w = build("llm-tiny")
+    result = ablate(w, PassConfig(), passes=("merge_projections",), kinds=("leave-one-out",),
+                    iters=1, warmup=1, verify=VerifyOptions(enabled=False))
+    assert "cse" in result.context and "merge_projections" not in result.context
+    assert result.baseline.sites > 0  # the context's rewrites
+    assert result.row("all").sites > result.row("all - merge_projections").sites
+    assert "not ablated" in result.markdown()
+
+
 def test_spearman() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -70,8 +93,9 @@ def test_step_inputs_give_each_step_a_new_timestep() -> None:
 def result():  # noqa: ANN201
     w = build("llm-tiny")
     cost = CostModel(H200, calls_per_step=w.calls_per_step)
-    return ablate(w, PassConfig(), passes=("cse", "merge_projections", "rowwise_fusion"),
-                  cost=cost, iters=2, warmup=1, verify=VerifyOptions(seeds=(0,)))
+    passes = ("cse", "merge_projections", "rowwise_fusion")
+    only = PassConfig().replace(**{p: False for p in PassConfig().enabled() if p not in passes})
+    return ablate(w, only, cost=cost, iters=2, warmup=1, verify=VerifyOptions(seeds=(0,)))
 
 
 def test_ablation_rows_are_measured_predicted_and_verified(result) -> None:  # noqa: ANN001
