@@ -3,12 +3,14 @@ moves into the activation that produces its input, so the activation is never wr
 
     # quant(reshape(silu(g) * u)) -> act_quant(g, u, "silu_mul")     SwiGLU (gate/up: views)
     # quant(reshape(gelu(x)))     -> act_quant(x, "gelu_tanh")   (GELU(erf): rejected, see why_not)
+    # quant(reshape(cat([o, act]))) -> cat_act_quant(o, g, u, ...)  (either order, last dim)
 
 Found by structure alone: a ``kopt::quant_fp8_rowwise`` of a per-call value whose producer,
 through at most one reshape to [rows, features], is ``silu(g) * u`` (either operand order) or
-``gelu``. The fused op keeps the unfused op order and roundings (see
-:mod:`kopt.codegen.kernels.act_quant`), hence the exact tier. FLUX.2's single-stream blocks
-quantize ``cat([attention, swiglu])``: no activation feeds that quantizer, and it stays.
+``gelu``, or a last-dimension concatenation of such an activation with one other tensor of its
+rows and dtype (FLUX.2's single-stream blocks quantize ``cat([attention, swiglu])`` for their
+output projection). The fused op keeps the unfused op order and roundings (see
+:mod:`kopt.codegen.kernels.act_quant`), hence the exact tier.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kopt.patterns.core import Match, Rejection, StructuralRewrite, exact
 aten = torch.ops.aten
 QUANT = torch.ops.kopt.quant_fp8_rowwise.default
 FUSED = torch.ops.kopt.act_quant_fp8_rowwise.default
+FUSED_CAT = torch.ops.kopt.cat_act_quant_fp8_rowwise.default
 NAME = "fuse_act_quant"
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
@@ -56,22 +59,35 @@ def find_act_quant(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
         x = quant.args[0]
         reshape = x if _is(x, *_RESHAPES) else None
         act = reshape.args[0] if reshape is not None else x
+        cat = other = None
+        other_first = True
+        if _is(act, aten.cat.default) and len(act.args[0]) == 2:
+            cat = act
+            first, second = cat.args[0]
+            acts = [_activation(n) if _is(n, aten.mul.Tensor, aten.gelu.default) else None
+                    for n in (first, second)]
+            if not isinstance(acts[1], tuple) and isinstance(acts[0], tuple):
+                act, other, other_first = first, second, False
+            else:
+                act, other = second, first
         found = _activation(act) if isinstance(act, fx.Node) else "no producer node"
         if isinstance(found, str):
             yield Rejection(NAME, quant.name, found, near_miss=True)
             continue
         kind, gate, up, silu = found
         bindings = {"quant": quant, "reshape": reshape, "act": act, "silu": silu,
-                    "gate": gate, "up": up, "kind": kind}
-        nodes = tuple(n for n in (silu, act, reshape, quant) if n is not None)
+                    "gate": gate, "up": up, "kind": kind, "cat": cat, "other": other,
+                    "other_first": other_first}
+        nodes = tuple(n for n in (silu, act, cat, reshape, quant) if n is not None)
         yield Match(NAME, quant, nodes, bindings, outputs=(quant,))
 
 
 def why_not(gm: fx.GraphModule, match: Match) -> str | None:
     b = match.bindings
-    quant, reshape, act, silu, gate, up = (b[k] for k in
-                                           ("quant", "reshape", "act", "silu", "gate", "up"))
-    for node, only in ((silu, act), (act, reshape or quant), (reshape, quant)):
+    quant, reshape, act, silu, gate, up, cat = (
+        b[k] for k in ("quant", "reshape", "act", "silu", "gate", "up", "cat"))
+    for node, only in ((silu, act), (act, cat or reshape or quant), (cat, reshape or quant),
+                       (reshape, quant)):
         if node is None:
             continue
         others = [u.name for u in node.users if u is not only]
@@ -93,6 +109,15 @@ def why_not(gm: fx.GraphModule, match: Match) -> str | None:
             return f"gate {g.dtype} and up {u.dtype} differ in dtype"
     if a.dtype != g.dtype:
         return f"activation output {a.dtype} differs from its input's {g.dtype}"
+    if cat is not None:
+        o, c = tensor_meta(b["other"]), tensor_meta(cat)
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        if dim not in (-1, c.dim() - 1):
+            return f"the concatenation is along dim {dim}, not the features"
+        if o.dtype != a.dtype or tuple(o.shape[:-1]) != tuple(a.shape[:-1]):
+            return (f"the tensor concatenated with the activation, {o.dtype}{list(o.shape)}, "
+                    f"has other rows or dtype than {a.dtype}{list(a.shape)}")
+        a = c
     if x.dim() != 2 or x.shape[-1] != a.shape[-1] or x.numel() != a.numel():
         return f"the quantizer reads {list(x.shape)}, not the activation's rows [-1, features]"
     return None
@@ -103,11 +128,15 @@ def fuse(gm: fx.GraphModule, match: Match) -> None:
     quant = b["quant"]
     g = gm.graph
     with g.inserting_before(quant):
-        fused = g.call_function(FUSED, (b["gate"], b["up"], b["kind"]))
+        if b["cat"] is None:
+            fused = g.call_function(FUSED, (b["gate"], b["up"], b["kind"]))
+        else:
+            fused = g.call_function(FUSED_CAT, (b["other"], b["gate"], b["up"], b["kind"],
+                                                b["other_first"]))
         infer_meta(gm, fused)
     fused.meta["kopt_from"] = f"{b['kind']}+quant({describe_node(b['act'])})"
     quant.replace_all_uses_with(fused)  # same outputs: (e4m3 values, fp32 scales)
-    for node in (quant, b["reshape"], b["act"], b["silu"]):
+    for node in (quant, b["reshape"], b["cat"], b["act"], b["silu"]):
         if node is not None and not node.users:
             g.erase_node(node)
 
@@ -115,7 +144,9 @@ def fuse(gm: fx.GraphModule, match: Match) -> None:
 def describe(match: Match) -> str:
     b = match.bindings
     rows, features = tensor_meta(b["quant"].args[0]).shape
-    return f"{describe_node(b['act'])}: {b['kind']} + quant, {rows} x {features}"
+    cat = "" if b["cat"] is None else (" (cat after another tensor)" if b["other_first"]
+                                       else " (cat before another tensor)")
+    return f"{describe_node(b['act'])}: {b['kind']}{cat} + quant, {rows} x {features}"
 
 
 ACT_QUANT = StructuralRewrite(
@@ -127,5 +158,5 @@ ACT_QUANT = StructuralRewrite(
     numerics=exact("the fused kernel repeats the unfused ops' order and roundings (activation "
                    "rounded to its dtype, amax * fp32(1/448), a true division, e4m3 RNE)"),
     benefit=5,
-    description="quant(silu(g) * u | gelu(x)) -> act_quant(g, u | x)",
+    description="quant([cat(o,)] silu(g) * u | gelu(x)) -> act_quant(g, u | x [, o])",
 )

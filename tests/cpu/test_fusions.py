@@ -24,6 +24,7 @@ from kopt.verify import VerifyOptions, compare
 aten = torch.ops.aten
 QK = torch.ops.kopt.qk_norm_rope.default
 ACT = torch.ops.kopt.act_quant_fp8_rowwise.default
+CAT_ACT = torch.ops.kopt.cat_act_quant_fp8_rowwise.default
 QUANT = torch.ops.kopt.quant_fp8_rowwise.default
 # the graphs these rewrites start from: the default passes with FP8, without the fusions
 FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16), fuse_qk_norm_rope=False,
@@ -117,10 +118,10 @@ def test_qk_norm_rope_leaves_attention_without_norm_or_rope_alone() -> None:
 
 # -- activation + FP8 quantization on the reference models ------------------------------------
 # Qwen-Image: GELU(tanh) in img_mlp/txt_mlp of 2 blocks, but the last block's text MLP feeds
-# nothing and is gone; FLUX.2: SwiGLU in ff/ff_context of 2 double blocks (the single blocks
-# quantize cat(attention, swiglu)); Qwen3: SwiGLU in 2 layers.
-ACT_SITES = {"qwen-image-tiny": 3, "flux2-tiny": 4, "llm-tiny": 2}
-ACTIVATIONS_LEFT = {"qwen-image-tiny": 0, "flux2-tiny": 2, "llm-tiny": 0}
+# nothing and is gone; FLUX.2: SwiGLU in ff/ff_context of 2 double blocks, and in 2 single
+# blocks, which quantize cat(attention, swiglu); Qwen3: SwiGLU in 2 layers.
+ACT_SITES = {"qwen-image-tiny": 3, "flux2-tiny": 6, "llm-tiny": 2}
+CAT_SITES = {"qwen-image-tiny": 0, "flux2-tiny": 2, "llm-tiny": 0}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -128,20 +129,29 @@ def test_act_quant_fires_on_the_reference_models(name: str) -> None:
     gm, inputs = _optimized(name, torch.bfloat16)
     after, result = _rewrite(gm, ACT_QUANT)
     assert result.matched == ACT_SITES[name] and result.rejected == {}
-    assert _count(after, ACT) == ACT_SITES[name]
+    assert _count(after, ACT) == ACT_SITES[name] - CAT_SITES[name]
+    assert _count(after, CAT_ACT) == CAT_SITES[name]
     assert _count(after, QUANT) == _count(gm, QUANT) - ACT_SITES[name]
-    assert _count(after, aten.silu.default, aten.gelu.default) == ACTIVATIONS_LEFT[name]
-    kinds = {n.args[2] for n in after.graph.nodes if n.target is ACT}
+    assert _count(after, aten.silu.default, aten.gelu.default) == 0
+    kinds = {n.args[2] for n in after.graph.nodes if n.target is ACT} | {
+        n.args[3] for n in after.graph.nodes if n.target is CAT_ACT}
     assert kinds == ({"gelu_tanh"} if name == "qwen-image-tiny" else {"silu_mul"})
     assert all(("mlp" in d or ".ff" in d) for d in result.details), result.details
     _verifies(gm, after, inputs, ACT_QUANT)
 
 
-def test_act_quant_says_why_flux2_single_blocks_stay() -> None:
+def test_act_quant_takes_flux2_single_blocks_cat_of_attention_and_swiglu() -> None:
+    """FLUX.2's single-stream blocks quantize cat([attention, swiglu]) for their output
+    projection: the concatenation and the activation go into one kernel, attention first."""
     gm, _ = _optimized("flux2-tiny", torch.bfloat16)
-    _, result = _rewrite(gm, ACT_QUANT)
-    cats = [r for r in result.rejections if "comes from aten.cat" in r.reason]
-    assert len(cats) == 2 and all(r.near_miss for r in cats)
+    after, result = _rewrite(gm, ACT_QUANT)
+    fused = [n for n in after.graph.nodes if n.target is CAT_ACT]
+    assert len(fused) == 2 and all(n.args[4] is True for n in fused)  # other (attention) first
+    assert sum("cat after another tensor" in d for d in result.details) == 2
+    # the quantized row is [attention | swiglu]: its width is both together
+    for n in fused:
+        other, gate = n.args[0].meta["val"], n.args[1].meta["val"]
+        assert n.meta["val"][0].shape[-1] == other.shape[-1] + gate.shape[-1]
 
 
 # -- near misses: small modules ----------------------------------------------------------------
@@ -286,3 +296,49 @@ def test_gelu_erf_is_not_fused_and_says_why() -> None:
     assert result.matched == 0
     assert result.rejected == {
         "GELU(erf) is not bitwise in the fused kernel (erf differs in the last bit)": 1}
+
+
+class ParallelBlock(nn.Module):
+    """A single-stream block's tail: ``out(cat([attn, swiglu(mlp_in)]))``; the flags make it a
+    near miss or put the activation first."""
+
+    def __init__(self, act_first: bool = False, dim0: bool = False, tap: bool = False) -> None:
+        super().__init__()
+        self.act_first, self.dim0, self.tap = act_first, dim0, tap
+        self.attn, self.mlp_in = nn.Linear(32, 16), nn.Linear(32, 2 * 48)
+        self.out = nn.Linear(64, 32) if not dim0 else nn.Linear(48, 32)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        h = self.mlp_in(x)
+        a = F.silu(h[..., :48]) * h[..., 48:]
+        if self.dim0:
+            row = torch.cat([a, a], 0)
+        else:
+            attn = self.attn(x)
+            row = torch.cat([a, attn] if self.act_first else [attn, a], -1)
+        y = self.out(row)
+        return (y, row) if self.tap else y
+
+
+@pytest.mark.parametrize("act_first", [False, True], ids=["attention-first", "act-first"])
+def test_cat_act_quant_fires_in_either_order(act_first: bool) -> None:
+    gm, inputs = _module_graph(ParallelBlock(act_first=act_first),
+                               torch.randn(2, 5, 32, dtype=torch.bfloat16))
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == 1 and _count(after, CAT_ACT) == 1
+    [fused] = [n for n in after.graph.nodes if n.target is CAT_ACT]
+    assert fused.args[4] is (not act_first)
+    assert _count(after, aten.cat.default, aten.silu.default) == 0
+    _verifies(gm, after, inputs, ACT_QUANT)
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (dict(tap=True), "is also used by output: the unfused value is still needed"),
+    (dict(dim0=True), "the concatenation is along dim 0, not the features"),
+], ids=["cat-also-returned", "cat-of-rows"])
+def test_cat_act_quant_near_misses_say_why(flags: dict, reason: str) -> None:
+    gm, _ = _module_graph(ParallelBlock(**flags), torch.randn(2, 5, 32, dtype=torch.bfloat16))
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert _count(after, CAT_ACT) == 0
+    assert any(reason in said for said in result.rejected), result.rejected

@@ -13,6 +13,8 @@ from kopt.codegen.kernels.act_quant import (
     act_quant_reference,
     act_quant_triton,
     activation_reference,
+    cat_act_quant_fp8_rowwise,
+    cat_act_quant_reference,
 )
 from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX
 
@@ -128,3 +130,32 @@ def test_config_override_rejects_a_block_shorter_than_the_row() -> None:
     with pytest.raises(ValueError, match="cannot hold rows of 300"):
         act_quant_triton(gate, None, "gelu_tanh", config={"BLOCK": 256, "ONE_PASS": True,
                                                          "num_warps": 4})
+
+
+@pytest.mark.parametrize("other_first", [True, False], ids=["other-first", "act-first"])
+@pytest.mark.parametrize(("shape", "p"), [((7, 40), 24), ((3, 5, 129), 300), ((2, 4000), 2500)],
+                         ids=["one-pass", "3d-odd", "two-pass"])
+def test_cat_variant_quantizes_the_row_of_both(shape: tuple[int, ...], p: int,
+                                               other_first: bool) -> None:
+    """quant(cat([other, act])): one scale per row over both parts; ``other`` (a strided view,
+    as FLUX.2's attention output is not) is quantized as it is."""
+    dtype = torch.bfloat16
+    gate, up = _inputs(shape, dtype, "silu_mul")
+    wide = torch.randn(*shape[:-1], p + 3, dtype=torch.float32) * 3
+    other = wide[..., 3:].to(dtype)  # the large values: the row maximum is often in it
+    got = act_quant_triton(gate, up, "silu_mul", other=other, other_first=other_first)
+    want = cat_act_quant_reference(other, gate, up, "silu_mul", other_first)
+    assert got[0].shape == (gate[..., 0].numel(), shape[-1] + p)
+    _check(got, want, dtype)
+
+
+def test_cat_op_contract() -> None:
+    gate, up = _inputs((2, 5, 48), torch.bfloat16, "silu_mul")
+    other = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    torch.library.opcheck(cat_act_quant_fp8_rowwise, (other, gate, up, "silu_mul", True))
+    q, s = torch.ops.kopt.cat_act_quant_fp8_rowwise(other, gate, up, "silu_mul", False)
+    q_ref, s_ref = cat_act_quant_reference(other, gate, up, "silu_mul", False)
+    assert q.shape == (10, 64) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref)
+    with pytest.raises(ValueError, match="must have the activation's dtype and rows"):
+        torch.ops.kopt.cat_act_quant_fp8_rowwise(other.float(), gate, up, "silu_mul", True)

@@ -15,7 +15,11 @@ import torch
 
 import kopt
 from benchmarks.kernels_specialised import ACT_CASES, QK_CASES, act_inputs, qk_inputs
-from kopt.codegen.kernels.act_quant import act_quant_reference, act_quant_triton
+from kopt.codegen.kernels.act_quant import (
+    act_quant_reference,
+    act_quant_triton,
+    cat_act_quant_reference,
+)
 from kopt.codegen.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
 from kopt.models import build
 from kopt.patterns.act_quant import ACT_QUANT
@@ -73,6 +77,22 @@ def test_act_quant_is_bitwise_in_other_dtypes(activation: str, dtype: torch.dtyp
     q, scale = act_quant_triton(x, up, activation)
     q_ref, scale_ref = act_quant_reference(x, up, activation)
     _check_act_quant(q, scale, q_ref, scale_ref, activation)
+
+
+@pytest.mark.parametrize("other_first", [True, False], ids=["attention-first", "act-first"])
+@pytest.mark.parametrize(("features", "other"), [(18432, 6144), (1000, 24)],
+                         ids=["w2-single-block", "small"])
+def test_cat_act_quant_is_bitwise_equal_to_the_unfused_ops(features: int, other: int,
+                                                           other_first: bool) -> None:
+    """FLUX.2's single-stream tail at W2 widths (rows cut to 333): quant(cat([attention,
+    silu(gate) * up])) from the merged projection's strided halves, bitwise."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    merged = (torch.randn(333, 2 * features, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    x, up = merged[:, :features], merged[:, features:]
+    attn = (torch.randn(333, other, device="cuda", generator=g) * 5).to(torch.bfloat16)
+    q, scale = act_quant_triton(x, up, "silu_mul", other=attn, other_first=other_first)
+    q_ref, scale_ref = cat_act_quant_reference(attn, x, up, "silu_mul", other_first)
+    _check_act_quant(q, scale, q_ref, scale_ref, "silu_mul")
 
 
 @pytest.mark.parametrize("case", QK_CASES, ids=[c.name for c in QK_CASES])

@@ -14,6 +14,10 @@ with ``act`` one of
 * ``"gelu_tanh"``: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 * ``"gelu_erf"``: 0.5 x (1 + erf(x / sqrt(2))).
 
+``kopt::cat_act_quant_fp8_rowwise(other, x, up, act, other_first)`` quantizes the row
+``cat([other, a])`` (or ``[a, other]``) instead, ``other`` read as it is: FLUX.2's single-stream
+blocks feed their output projection the attention output and the SwiGLU output side by side.
+
 Outputs: ``q`` [rows, N] e4m3 and ``scale`` [rows, 1] fp32, rows = all leading dims flattened: the
 operands ``torch._scaled_mm`` takes with rowwise scaling, as :mod:`kopt.codegen.kernels.quant_fp8`
 produces them.
@@ -157,18 +161,27 @@ def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.co
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, u_ptr, q_ptr, scale_ptr,
-    R2, N, sx0, sx1, sxn, su0, su1, sun, inv_max,
-    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, NATIVE: tl.constexpr,
+    x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr,
+    R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, HAS_OTHER: tl.constexpr,
+    OTHER_FIRST: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One program per row: the activation, its absolute maximum, the scale and the e4m3
-    values. See the module docstring for the math."""
+    values. With ``HAS_OTHER`` the row quantized is ``cat([other, act])`` (``OTHER_FIRST``) or
+    ``cat([act, other])``: P more features read as they are. See the module docstring."""
     row = tl.program_id(0).to(tl.int64)
     r1 = row // R2
     r2 = row % R2
     x_row = x_ptr + r1 * sx0 + r2 * sx1
     u_row = u_ptr + r1 * su0 + r2 * su1
-    q_row = q_ptr + row * N
+    o_row = o_ptr + r1 * so0 + r2 * so1
+    q_row = q_ptr + row * (N + P)
+    if OTHER_FIRST:
+        qa_row = q_row + P
+        qo_row = q_row
+    else:
+        qa_row = q_row
+        qo_row = q_row + N
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
@@ -176,27 +189,40 @@ def _act_quant_kernel(
         a = _activation(x_row, u_row, cols, mask, sxn, sun, dt, ACT, NATIVE)
         amax = tl.max(tl.where(mask, tl.abs(a), 0.0), axis=0)
     else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        amax_a = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
             mask = start + cols < N
             a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(a), 0.0))
-        amax = tl.max(amax, axis=0)
+            amax_a = tl.maximum(amax_a, tl.where(mask, tl.abs(a), 0.0))
+        amax = tl.max(amax_a, axis=0)
+    if HAS_OTHER:
+        amax_o = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, P, BLOCK):
+            m = start + cols < P
+            v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
+            amax_o = tl.maximum(amax_o, tl.where(m, tl.abs(v), 0.0))
+        amax = tl.maximum(amax, tl.max(amax_o, axis=0))
     if NATIVE:  # torch's CUDA kernel multiplies by the fp32 reciprocal of the Python scalar
         scale = tl.maximum(amax, _MIN_AMAX) * inv_max
     else:  # its CPU kernel, which the interpreter stands in for, divides
         scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), tl.full((), _E4M3_MAX, tl.float32))
     tl.store(scale_ptr + row, scale)
+    qt = q_ptr.dtype.element_ty
     if ONE_PASS:
         q = tl.clamp(tl.math.div_rn(a, scale), -_E4M3_MAX, _E4M3_MAX)
-        tl.store(q_row + cols, _to_e4m3(q, q_ptr.dtype.element_ty, NATIVE), mask=mask)
+        tl.store(qa_row + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
     else:
         for start in range(0, N, BLOCK):
             mask = start + cols < N
             a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
             q = tl.clamp(tl.math.div_rn(a, scale), -_E4M3_MAX, _E4M3_MAX)
-            tl.store(q_row + start + cols, _to_e4m3(q, q_ptr.dtype.element_ty, NATIVE),
-                     mask=mask)
+            tl.store(qa_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
+    if HAS_OTHER:
+        for start in range(0, P, BLOCK):
+            m = start + cols < P
+            v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(v, scale), -_E4M3_MAX, _E4M3_MAX)
+            tl.store(qo_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=m)
 
 
 def _config(n: int) -> dict[str, int]:
@@ -229,33 +255,55 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
 
 
 def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
-                     config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     config: dict[str, int] | None = None, other: torch.Tensor | None = None,
+                     other_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``). ``config``
     (``BLOCK``, ``ONE_PASS``, ``num_warps``) overrides :func:`_config`'s choice (benchmarks
-    sweep it); a one-pass block must hold the whole row."""
+    sweep it); a one-pass block must hold the whole row. ``other``: the rows quantized are
+    ``cat([other, act])`` (or ``[act, other]`` unless ``other_first``)."""
     check_args(x, up, activation)
+    if other is not None:
+        check_other(other, x)
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {x.dtype}")
     n = x.shape[-1]
+    p = 0 if other is None else other.shape[-1]
     rows = math.prod(x.shape[:-1])
-    q = torch.empty((rows, n), dtype=E4M3, device=x.device)
+    q = torch.empty((rows, n + p), dtype=E4M3, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scale
     x3 = _as_3d(x)
     u3 = _as_3d(up) if up is not None else x3
+    o3 = _as_3d(other) if other is not None else x3
     cfg = _config(n) if config is None else config
     if cfg["ONE_PASS"] and cfg["BLOCK"] < n:
         raise ValueError(f"a one-pass block of {cfg['BLOCK']} cannot hold rows of {n}")
     with on_device(x):
         _act_quant_kernel[(rows,)](
-            x3, u3, q, scale, x3.shape[1], n, *x3.stride(), *u3.stride(), _INV_E4M3_MAX,
-            ACT=ACTIVATIONS.index(activation), BLOCK=cfg["BLOCK"], ONE_PASS=cfg["ONE_PASS"],
+            x3, u3, o3, q, scale, x3.shape[1], n, p, *x3.stride(), *u3.stride(), *o3.stride(),
+            _INV_E4M3_MAX, ACT=ACTIVATIONS.index(activation), BLOCK=cfg["BLOCK"],
+            ONE_PASS=cfg["ONE_PASS"], HAS_OTHER=other is not None, OTHER_FIRST=other_first,
             NATIVE=native(_act_quant_kernel, x), num_warps=cfg["num_warps"],
             # Contractions are written out (tl.fma) where torch's build has them; none else.
             enable_fp_fusion=False,
         )
     return q, scale
+
+
+def check_other(other: torch.Tensor, x: torch.Tensor) -> None:
+    if other.dtype != x.dtype or other.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"the tensor concatenated with the activation, {other.dtype}"
+                         f"{list(other.shape)}, must have the activation's dtype and rows "
+                         f"({x.dtype}{list(x.shape[:-1])})")
+
+
+def cat_act_quant_reference(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None,
+                            activation: str, other_first: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    a = activation_reference(x, up, activation)
+    row = torch.cat([other, a] if other_first else [a, other], -1)
+    return quant_fp8_rowwise_reference(row.reshape(-1, row.shape[-1]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,3 +341,40 @@ def _act_quant64(x: torch.Tensor, up: torch.Tensor | None,
     # The activation in fp64, then the quantizer as the unfused graph's fp64 run applies it
     # (kopt::quant_fp8_rowwise quantizes whatever it is given): the same yardstick.
     return act_quant_reference(x, up, activation)
+
+
+@torch.library.custom_op("kopt::cat_act_quant_fp8_rowwise", mutates_args=())
+def cat_act_quant_fp8_rowwise(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None,
+                              activation: str, other_first: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant(cat([other, act(x, up)], -1))`` (or ``[act, other]``): FLUX.2's single-stream
+    blocks quantize the attention output and the SwiGLU output side by side for one GEMM."""
+    check_args(x, up, activation)
+    check_other(other, x)
+    return cat_act_quant_reference(other, x, up, activation, other_first)
+
+
+@cat_act_quant_fp8_rowwise.register_kernel("cuda")
+def _(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation: str,
+      other_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype in KERNEL_DTYPES:
+        return act_quant_triton(x, up, activation, other=other, other_first=other_first)
+    check_args(x, up, activation)
+    check_other(other, x)
+    return cat_act_quant_reference(other, x, up, activation, other_first)
+
+
+@cat_act_quant_fp8_rowwise.register_fake
+def _(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation: str,
+      other_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    check_args(x, up, activation)
+    check_other(other, x)
+    rows = math.prod(x.shape[:-1])
+    return (torch.empty((rows, x.shape[-1] + other.shape[-1]), dtype=E4M3, device=x.device),
+            torch.empty((rows, 1), dtype=torch.float32, device=x.device))
+
+
+@fp64_reference(torch.ops.kopt.cat_act_quant_fp8_rowwise.default)
+def _cat_act_quant64(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None,
+                     activation: str, other_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return cat_act_quant_reference(other, x, up, activation, other_first)
