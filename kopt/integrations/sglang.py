@@ -92,8 +92,12 @@ class KoptDiT:
             captured, runtime_idx = capture_dynamo(gm, example_inputs)
         except CaptureError as exc:
             where = f" at {exc.where}" if exc.where else ""
+            written = _written_inputs(gm)
+            hint = (f" (the graph writes into its input{'s' * (len(written) > 1)} "
+                    f"{', '.join(written)} in place, which kopt's capture does not take)"
+                    if written else "")
             self._fall_back(f"graph {number} ({_ops(gm)} ops) runs as dynamo traced it: "
-                            f"{exc.kind}{where}: {exc.detail}")
+                            f"{exc.kind}{where}: {exc.detail}{hint}")
             return _inner_compile(self.options.inner, gm, example_inputs)
         static_idx = [i for i in range(len(example_inputs)) if i not in set(runtime_idx)]
         first = self._optimize(captured, runtime_idx, static_idx, example_inputs, number)
@@ -327,6 +331,28 @@ def _denoising_stages(target: Any) -> list[Any]:
 
 def _ops(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+
+
+def _written_inputs(gm: fx.GraphModule) -> list[str]:
+    """The inputs of a dynamo graph that it writes in place, directly or through a view (an
+    in-place op on a value sharing an input's storage)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node: Any) -> Any:
+        value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+    inputs = {storage(n): n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    inputs.pop(None, None)  # inputs that are not tensors
+    written = []
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if (node.op in ("call_method", "call_function") and name.endswith("_")
+                and not name.endswith("__") and node.args):
+            source = inputs.get(storage(node.args[0]))
+            if source is not None and source not in written:
+                written.append(source)
+    return written
 
 
 def _short(path: str) -> str:

@@ -141,8 +141,37 @@ def merge_parallel_projections(gm: fx.GraphModule, match: Match) -> None:
             piece = g.call_function(operator.getitem, (parts, i))
             piece.meta["val"] = parts.meta["val"][i]
             p.node.replace_all_uses_with(piece)
+            _views_to_reshapes(gm, piece)
     for p in projs:
         g.erase_node(p.node)
+
+
+# ops whose output is their input's values rearranged, as a view where the strides allow
+_MOVEMENTS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.expand.default, aten.slice.Tensor, aten.select.int,
+    aten.unflatten.int, aten.split.Tensor, aten.split_with_sizes.default, aten.alias.default,
+    operator.getitem,
+})
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _views_to_reshapes(gm: fx.GraphModule, piece: fx.Node) -> None:
+    """A projection's output was contiguous; its piece of the merged output is a column slice.
+    A ``view`` after it (directly or through other rearrangements) that merged dimensions across
+    the rows would now fail: it becomes ``reshape``, the same values, a view wherever one is
+    possible and a copy where not."""
+    todo = [piece]
+    while todo:
+        node = todo.pop()
+        for user in list(node.users):
+            if user.op != "call_function" or user.target not in _MOVEMENTS:
+                continue
+            if user.target in _VIEWS:
+                user.target = aten.reshape.default
+            infer_meta(gm, user)
+            todo.append(user)
 
 
 def describe_merge(match: Match) -> str:

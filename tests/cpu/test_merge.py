@@ -71,6 +71,33 @@ def test_numerics_tier_on_awkward_shapes(bias: bool) -> None:
         assert verdict.passed, verdict
 
 
+class FlattensItsProjections(nn.Module):
+    """Views each projection's output whole (``view(-1)``; through a transpose for k): valid on
+    a contiguous GEMM output, not on a column slice of the merged one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 8), nn.Linear(16, 8), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).view(-1)
+        k = self.k(x).unsqueeze(0).view(-1)
+        return torch.cat([q * k, self.v(x).view(x.shape[0], -1).sum(-1)])
+
+
+def test_views_after_the_split_become_reshapes() -> None:
+    """SGLang's attention views its projection outputs; merged, those outputs are column slices
+    of one GEMM's: the views after them become reshapes and the merge is kept, verified."""
+    model, x = FlattensItsProjections().eval(), torch.randn(2, 3, 16)
+    opt = kopt.optimize(model, (x,))
+    result = opt.report.result("merge_projections")
+    assert result.matched == 1 and not result.reverted and result.verdict.passed
+    views = [n for n in opt.graph_module.graph.nodes
+             if n.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)]
+    assert not views
+    torch.testing.assert_close(opt(x), model(x))
+
+
 def test_does_not_fire_on_different_inputs() -> None:
     class M(nn.Module):
         def __init__(self) -> None:
