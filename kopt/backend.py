@@ -13,13 +13,15 @@ Options (all optional):
 * ``reports``: a list that receives one :class:`kopt.Report` per compiled graph
 
 A graph kopt cannot take (dynamic shapes, an unsupported op) is logged with the reason and given
-to the inner compiler unmodified, so compilation still succeeds.
+to the inner compiler unmodified, so compilation still succeeds. A graph dynamo reuses for several
+modules (a repeated block's ``forward`` after a graph break inside it) is optimized once per
+module's weights (:class:`PerWeights`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,8 +106,24 @@ def kopt_backend(
     except CaptureError as exc:
         log.warning("kopt: graph left unoptimized: %s", exc)
         return _inner_compile(opts.inner, gm, example_inputs)
-    spec = optimize_captured(captured, opts.config, opts.verify, None,
-                             f"dynamo graph ({len(gm.graph.nodes)} nodes)", 0.0)
+    first = optimize_dynamo_graph(captured, runtime_idx, example_inputs, opts,
+                                  f"dynamo graph ({len(gm.graph.nodes)} nodes)")
+    if not first.static:
+        return first
+
+    def build(inputs: list[Any]) -> _Runner:
+        again, idx = capture_dynamo(gm, inputs)  # the same graph captured before: cannot fail
+        return optimize_dynamo_graph(again, idx, inputs, opts,
+                                     f"dynamo graph ({len(gm.graph.nodes)} nodes), other weights")
+
+    return PerWeights(first, [i for i, _ in first.static], example_inputs, build)
+
+
+def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs: list[Any],
+                          opts: BackendOptions, name: str) -> _Runner:
+    """kopt's passes on a captured dynamo graph, then the inner compiler: the runner of one
+    graph for the parameters in ``example_inputs``."""
+    spec = optimize_captured(captured, opts.config, opts.verify, None, name, 0.0)
     if opts.reports is not None:
         opts.reports.append(spec.report)
     log.info("%s", spec.report)
@@ -136,6 +154,37 @@ class _Runner:
         self.spec.refresh_if_stale()
         out = self.compiled(*[args[i] for i in self.runtime_idx])
         return self.spec.captured.unflatten_outputs(out)
+
+
+class PerWeights:
+    """One optimized graph per set of parameter objects.
+
+    Dynamo passes a module's parameters to its graph as inputs. After a graph break inside a
+    repeated block (a transformer's blocks), it compiles the block's ``forward`` as a frame of
+    its own whose one graph serves every instance of the block, each call with that instance's
+    parameters. kopt's graph holds the parameters it was captured with as constants (packed,
+    folded), so a call with other parameter objects gets a graph of its own: the same code
+    captured and optimized with that instance's weights. Parameters changed in place are
+    re-packed by the graph that holds them (:meth:`kopt.api._Specialization.refresh_if_stale`);
+    a parameter replaced by a new object gets a new graph (the old one keeps the old object).
+    """
+
+    def __init__(self, first: _Runner, static_idx: list[int], examples: Sequence[Any],
+                 build: Callable[[list[Any]], _Runner]) -> None:
+        self.static_idx = static_idx
+        self.build = build
+        self.graphs = {self._key(examples): first}
+
+    def _key(self, inputs: Sequence[Any]) -> tuple[int, ...]:
+        # The graphs hold their parameters (``_Runner.static``): ids are not reused meanwhile.
+        return tuple(id(inputs[i]) for i in self.static_idx)
+
+    def __call__(self, *args: Any) -> Any:
+        key = self._key(args)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self.build(list(args))
+        return graph(*args)
 
 
 def _inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:

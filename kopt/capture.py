@@ -181,6 +181,11 @@ def _make_flat(gm: fx.GraphModule) -> None:
     gm.recompile()
     for node in gm.graph.nodes:
         if node.op != "output" and node.users and "val" not in node.meta:
+            written = node.args[0] if node.target is torch.ops.aten.copy_.default else None
+            if isinstance(written, fx.Node) and written.op == "placeholder":
+                raise CaptureError(
+                    "input mutation", f"the model writes into its input {written.name} in "
+                    "place; kopt captures functional graphs (return the value instead)")
             raise CaptureError("capture failed", f"node {node.name} has no traced value")
 
 

@@ -11,7 +11,8 @@ class CaptureError(KoptError):
     """The model could not be captured to a single graph.
 
     ``kind`` is one of ``data-dependent control flow``, ``unsupported operation``,
-    ``dynamic shapes``, ``capture failed``; ``where`` is the user's source line, if known.
+    ``dynamic shapes``, ``input mutation``, ``capture failed``; ``where`` is the user's source
+    line, if known.
     """
 
     def __init__(self, kind: str, detail: str, where: str | None = None) -> None:

@@ -24,7 +24,7 @@ Where kopt cannot apply, SGLang's code runs unmodified there and a warning says 
   the line at the break runs eagerly as SGLang wrote it, the graphs on either side are optimized.
   A break inside a repeated block makes dynamo compile the block's ``forward`` once for all its
   instances, with the weights as graph inputs; kopt packs weights as constants, so it optimizes
-  that graph once per set of weights (:class:`_PerWeights`).
+  that graph once per set of weights (:class:`kopt.backend.PerWeights`).
 * a graph kopt cannot capture (:class:`kopt.CaptureError`: dynamic shapes, an unsupported op):
   it runs as dynamo traced it.
 * the whole DiT, where SGLang's machinery around it would be bypassed or invalidated (see
@@ -38,14 +38,20 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx
 
-from kopt.api import Report, optimize_captured
-from kopt.backend import BackendOptions, _inner_compile, _Runner
+from kopt.api import Report
+from kopt.backend import (
+    BackendOptions,
+    PerWeights,
+    _inner_compile,
+    _Runner,
+    optimize_dynamo_graph,
+)
 from kopt.capture import capture_dynamo
 from kopt.errors import CaptureError, KoptError
 from kopt.passes import PassConfig
@@ -69,6 +75,7 @@ class KoptDiT:
         self.dit = dit
         self.options = options
         self.reports: list[Report] = []
+        options.reports = self.reports  # the backend files one report per optimized graph
         # "reason at file:line `code`", one entry per distinct break location
         self.graph_breaks: list[str] = []
         # Why kopt left (a graph of) the DiT as it was, one line per distinct reason.
@@ -92,34 +99,24 @@ class KoptDiT:
             captured, runtime_idx = capture_dynamo(gm, example_inputs)
         except CaptureError as exc:
             where = f" at {exc.where}" if exc.where else ""
-            written = _written_inputs(gm)
+            written = _written_inputs(gm) if exc.kind != "input mutation" else []
             hint = (f" (the graph writes into its input{'s' * (len(written) > 1)} "
                     f"{', '.join(written)} in place, which kopt's capture does not take)"
                     if written else "")
             self._fall_back(f"graph {number} ({_ops(gm)} ops) runs as dynamo traced it: "
                             f"{exc.kind}{where}: {exc.detail}{hint}")
             return _inner_compile(self.options.inner, gm, example_inputs)
-        static_idx = [i for i in range(len(example_inputs)) if i not in set(runtime_idx)]
-        first = self._optimize(captured, runtime_idx, static_idx, example_inputs, number)
-        if not static_idx:
+        first = optimize_dynamo_graph(captured, runtime_idx, example_inputs, self.options,
+                                      f"{self.name} graph {number}")
+        if not first.static:
             return first
-        return _PerWeights(first, static_idx, example_inputs,
-                           lambda inputs: self._recapture(gm, inputs, number))
+        return PerWeights(first, [i for i, _ in first.static], example_inputs,
+                          lambda inputs: self._recapture(gm, inputs, number))
 
     def _recapture(self, gm: fx.GraphModule, inputs: list[Any], number: int) -> _Runner:
         captured, runtime_idx = capture_dynamo(gm, inputs)  # captured before: cannot fail
-        static_idx = [i for i in range(len(inputs)) if i not in set(runtime_idx)]
-        return self._optimize(captured, runtime_idx, static_idx, inputs, number)
-
-    def _optimize(self, captured: Any, runtime_idx: list[int], static_idx: list[int],
-                  inputs: list[Any], number: int) -> _Runner:
-        spec = optimize_captured(captured, self.options.config, self.options.verify, None,
-                                 f"{self.name} graph {number}", 0.0)
-        self.reports.append(spec.report)
-        log.info("%s", spec.report)
-        compiled = _inner_compile(self.options.inner, spec.gm,
-                                  [inputs[i] for i in runtime_idx])
-        return _Runner(compiled, spec, runtime_idx, static_idx, inputs)
+        return optimize_dynamo_graph(captured, runtime_idx, inputs, self.options,
+                                     f"{self.name} graph {number}")
 
     def _note_break(self, reason: Any) -> None:
         frame = reason.user_stack[-1] if reason.user_stack else None
@@ -167,35 +164,6 @@ class KoptDiT:
 
     def __repr__(self) -> str:
         return self.describe()
-
-
-class _PerWeights:
-    """One optimized graph per set of weight objects.
-
-    Dynamo passes a module's parameters to its graph as inputs, and after a graph break inside
-    a repeated block it compiles the block's ``forward`` as a frame of its own, whose one graph
-    serves every instance of the block. kopt's graph holds the parameters it was captured with
-    as constants (packed, folded), so a call with other parameter objects gets its own graph:
-    the same code captured with that instance's weights. Parameters changed in place are
-    re-packed by the graph that holds them (:meth:`kopt.api._Specialization.refresh_if_stale`).
-    """
-
-    def __init__(self, first: _Runner, static_idx: list[int], examples: Sequence[Any],
-                 build: Callable[[list[Any]], _Runner]) -> None:
-        self.static_idx = static_idx
-        self.build = build
-        self.graphs = {self._key(examples): first}
-
-    def _key(self, inputs: Sequence[Any]) -> tuple[int, ...]:
-        # The graphs hold their parameters (``_Runner.static``): ids are not reused meanwhile.
-        return tuple(id(inputs[i]) for i in self.static_idx)
-
-    def __call__(self, *args: Any) -> Any:
-        key = self._key(args)
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self.graphs[key] = self.build(list(args))
-        return graph(*args)
 
 
 def optimize_dit(

@@ -80,6 +80,46 @@ def test_graph_break_gives_two_optimized_graphs() -> None:
     assert sum(r.result("merge_projections").matched for r in reports) == 2
 
 
+def test_graph_break_inside_repeated_blocks_optimizes_each_blocks_weights() -> None:
+    """A break inside a transformer's block: dynamo compiles the block's forward once, with the
+    weights as graph inputs, and calls that graph for every block. kopt's graphs hold their
+    weights as constants, so each block's weights get their own optimized graph (once: the
+    second call reuses them)."""
+    torch._dynamo.reset()
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = QKV(16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.qkv(x)
+            torch._dynamo.graph_break()
+            return x + self.out(torch.relu(y))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    model = Stack().eval()
+    reports: list = []
+    f = torch.compile(model, backend="kopt", options={"inner": "eager", "reports": reports})
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-5)
+        optimized = len(reports)
+        assert sum(r.result("merge_projections").matched for r in reports) == 3  # one per block
+        assert all(r.verified for r in reports)
+        torch.testing.assert_close(f(x + 1), model(x + 1), rtol=1e-5, atol=1e-5)
+    assert len(reports) == optimized  # each block's graphs were kept
+
+
 def test_dynamic_shapes_fall_back_unoptimized_with_a_reason(caplog) -> None:  # noqa: ANN001
     torch._dynamo.reset()
     model = QKV(16).eval()

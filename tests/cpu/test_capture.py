@@ -80,6 +80,25 @@ def test_unsupported_op_is_named_and_model_still_runs() -> None:
     assert torch.equal(model(x), x * 3)
 
 
+def test_dynamo_graph_writing_into_its_input_is_named() -> None:
+    """A graph that writes into its input (SGLang's FLUX.2 fills an output buffer after a
+    graph break) is refused with the input named, not an internal error."""
+    graphs = []
+
+    def keep(gm, example_inputs):  # noqa: ANN001, ANN202
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    def fill(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return out.copy_(y)
+
+    torch._dynamo.reset()
+    torch.compile(fill, backend=keep)(torch.empty(3), torch.randn(3))
+    with pytest.raises(CaptureError, match="writes into its input l_out_ in place") as exc:
+        capture_dynamo(*graphs[0])
+    assert exc.value.kind == "input mutation"
+
+
 def test_dynamo_graph_lowering_turns_parameters_into_constants() -> None:
     model = QKV().eval()
     x = torch.randn(2, 5, 37)
