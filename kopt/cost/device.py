@@ -53,6 +53,7 @@ class DeviceModel:
     peak_tflops: Mapping[str, float]  # dense peak by GEMM operand dtype ("bfloat16", ...)
     bandwidth_gbs: float
     launch_us: float = 4.0  # host time per launch in eager mode (on a CPU: per op)
+    host_us: Mapping[str, float] = field(default_factory=dict)  # op: launch_us where it differs
     view_us: float = 0.0  # host time of an aten op that launches nothing (a view)
     node_us: float = 0.0  # host time of every node on top: the graph's own Python
     graph_launch_us: float | None = 1.0  # per launch in a CUDA graph replay; None: no graphs
@@ -95,7 +96,7 @@ class DeviceModel:
                 + self.roofline_ms(c.flops, c.bytes, c.dtype) / self.efficiency_of(c))
 
     def host_ms(self, c: OpCount) -> float:
-        op = self.launches(c) * self.launch_us if c.kernel else \
+        op = self.launches(c) * self.host_us.get(c.op, self.launch_us) if c.kernel else \
             self.view_us if c.dispatched else 0.0
         return (self.node_us + op) / 1e3
 
@@ -147,10 +148,11 @@ class DeviceModel:
         peaks = ", ".join(f"{k} {v:g}" for k, v in sorted(self.peak_tflops.items()))
         eff = ", ".join(f"{k} {v:.2f}" for k, v in sorted(self.efficiency.items()))
         fixed = "".join(f", {k} {v:.2f}" for k, v in sorted(self.fixed_us.items()))
+        host = "".join(f", {k} {v:.0f}" for k, v in sorted(self.host_us.items()))
         graph = "-" if self.graph_launch_us is None else f"{self.graph_launch_us:.2f}"
         return (f"{self.name}: peak TFLOP/s {peaks}; {self.bandwidth_gbs:g} GB/s; launch "
                 f"{self.launch_us:.2f} us (view {self.view_us:.2f}, node {self.node_us:.2f}, "
-                f"graph {graph}); kernel fixed us {self.kernel_us:.2f}{fixed}; efficiency "
+                f"graph {graph}{host}); kernel fixed us {self.kernel_us:.2f}{fixed}; efficiency "
                 f"{eff or '1.0'}"
                 + (f" [{self.source}]" if self.source else ""))
 
@@ -165,10 +167,16 @@ H200 = DeviceModel(
                  "float16": 989.0, "float32": 67.0},
     bandwidth_gbs=4247.0,
     launch_us=4.0,
+    # kopt's autotuned Triton GEMM through its custom op: the W1 ablation of the GEMM epilogue
+    # (session 4) measured 55.5 ms per call more host time for its 238 launches than for the
+    # _scaled_mm + add it replaced
+    host_us={"kopt::fp8_gemm": 240.0, "kopt::bf16_gemm": 240.0},
     view_us=1.0,
     graph_launch_us=1.0,
     kernel_us=1.5,
-    efficiency={"gemm": 0.8, "aten::_scaled_mm": 0.58, "kopt::fp8_gemm": 0.58,
+    # kopt::fp8_gemm: its autotune winners on W1's shapes (the knowledge base's micro
+    # measurements, session 4): 0.38 of peak at K = 3072, 0.58 at K = 12288, 0.52 by FLOPs
+    efficiency={"gemm": 0.8, "aten::_scaled_mm": 0.58, "kopt::fp8_gemm": 0.52,
                 "kopt::fp8_blockwise_mm": 0.55, "attention": 0.55, "elementwise": 0.75,
                 "quantization": 0.6},
     asynchronous=True,
