@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--device-model", default="fit", metavar="fit|h200|PATH")
     p.add_argument("--profile-iters", type=int, default=3)
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--kb", metavar="PATH", help="also file the savings and the dead ends (passes "
+                   "measured slower) in this knowledge base")
     args = p.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,6 +163,14 @@ def main() -> None:
         result.waterfall(out / "waterfall.png")
     except ImportError:
         print("no matplotlib: waterfall.png not written (pip install matplotlib)")
+    if args.kb:
+        from kopt.kb import KnowledgeBase
+        from kopt.kb.verdicts import _inputs_device, record_ablation, workload_key
+
+        with KnowledgeBase.open(args.kb) as kb:
+            lines = record_ablation(kb, result, workload_key(cap.gm, cap.example_inputs),
+                                    _inputs_device(cap.example_inputs))
+        print(f"knowledge base {args.kb}:\n" + "\n".join(f"  recorded: {x}" for x in lines))
     print(text)
     print(f"written to {out}/")
 
