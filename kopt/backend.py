@@ -42,6 +42,7 @@ INNER = ("inductor", "eager")
 # shapes (benchmarks/RESULTS.md, session 3 sweeps on the H200): under Inductor they are left to
 # Inductor unless the caller's config names them. Pass name -> why.
 LEFT_TO_INDUCTOR = {
+    "fuse_act": "Inductor fuses the activation and the concatenation into its own kernels",
     "fuse_act_quant": "Inductor's fused activation + FP8 kernel is 1.1-1.25x faster on the W1, "
                       "W2 and LLM image-token shapes (kopt's is bitwise exact and "
                       "compute-bound; Inductor's is not exact)",

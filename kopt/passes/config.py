@@ -58,6 +58,12 @@ class PassConfig:
     """SwiGLU / GELU(tanh) + the FP8 per-token quantization of the next GEMM's input in one
     kernel (only with ``fp8``)."""
 
+    fuse_act: bool = False
+    """SwiGLU (``silu(g) * u``) in one kernel instead of two, and an activation concatenated
+    with another tensor (FLUX.2's single-stream blocks, BF16) written beside it with no copy;
+    what ``fuse_act_quant`` leaves (no FP8 quantizer after it). Off until measured on the H200
+    (the kernel is bitwise and compute-bound: it may lose to the unfused memory-bound ops)."""
+
     fuse_allreduce_norm: bool = True
     """Tensor-parallel graphs: the all-reduce of a row-parallel GEMM's partial sums, the
     residual add and the norm after it (+ modulation, FP8 quantization) -> one

@@ -160,3 +160,104 @@ ACT_QUANT = StructuralRewrite(
     benefit=5,
     description="quant([cat(o,)] silu(g) * u | gelu(x)) -> act_quant(g, u | x [, o])",
 )
+
+
+# -- the activation without quantization (BF16 models) ---------------------------------------
+#   silu(g) * u                 -> fused_act(g, u)          one kernel instead of two
+#   cat([o, act]) / cat([act, o]) -> fused_act(o, g, u)     the activation written beside o
+FUSED_ACT = torch.ops.kopt.fused_act.default
+NAME_ACT = "fuse_act"
+
+
+def find_act(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
+    taken: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if _is(node, aten.cat.default) and len(node.args[0]) == 2:
+            first, second = node.args[0]
+            for act, other, other_first in ((second, first, True), (first, second, False)):
+                found = _activation(act) if _is(act, aten.mul.Tensor, aten.gelu.default) \
+                    else None
+                if isinstance(found, tuple):
+                    kind, gate, up, silu = found
+                    taken.add(act)
+                    yield Match(NAME_ACT, node, tuple(n for n in (silu, act, node) if n),
+                                {"cat": node, "act": act, "silu": silu, "gate": gate, "up": up,
+                                 "kind": kind, "other": other, "other_first": other_first},
+                                outputs=(node,))
+                    break
+    for node in gm.graph.nodes:
+        if node in taken or not _is(node, aten.mul.Tensor):
+            continue
+        found = _activation(node)
+        if isinstance(found, tuple):  # SwiGLU: two kernels become one (a lone GELU is one)
+            kind, gate, up, silu = found
+            yield Match(NAME_ACT, node, (silu, node),
+                        {"cat": None, "act": node, "silu": silu, "gate": gate, "up": up,
+                         "kind": kind, "other": None, "other_first": True}, outputs=(node,))
+
+
+def why_not_act(gm: fx.GraphModule, match: Match) -> str | None:
+    b = match.bindings
+    act, silu, cat = b["act"], b["silu"], b["cat"]
+    for node, only in ((silu, act), (act, cat)):
+        if node is None or only is None:
+            continue
+        others = [u.name for u in node.users if u is not only]
+        if others:
+            return (f"{op_name(node)} output {node.name} is also used by {', '.join(others)}: "
+                    "the unfused value is still needed")
+    if b["kind"] == "gelu_erf":
+        return "GELU(erf) is not bitwise in the fused kernel (erf differs in the last bit)"
+    g, a = tensor_meta(b["gate"]), tensor_meta(act)
+    if g.dtype not in KERNEL_DTYPES:
+        return f"activation dtype {g.dtype} is not bf16/fp16/fp32"
+    if b["up"] is not None:
+        u = tensor_meta(b["up"])
+        if u.shape != g.shape or u.dtype != g.dtype:
+            return f"gate {g.dtype}{list(g.shape)} and up {u.dtype}{list(u.shape)} differ"
+    if a.dtype != g.dtype or a.shape != g.shape:
+        return f"activation output {a.dtype}{list(a.shape)} is not its input's"
+    if cat is not None:
+        o, c = tensor_meta(b["other"]), tensor_meta(cat)
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        if dim not in (-1, c.dim() - 1):
+            return f"the concatenation is along dim {dim}, not the features"
+        if o.dtype != a.dtype or tuple(o.shape[:-1]) != tuple(a.shape[:-1]):
+            return (f"the tensor concatenated with the activation, {o.dtype}{list(o.shape)}, "
+                    f"has other rows or dtype than {a.dtype}{list(a.shape)}")
+    return None
+
+
+def fuse_act(gm: fx.GraphModule, match: Match) -> None:
+    b = match.bindings
+    out = b["cat"] if b["cat"] is not None else b["act"]
+    g = gm.graph
+    with g.inserting_before(out):
+        fused = g.call_function(FUSED_ACT, (b["other"], b["gate"], b["up"], b["kind"],
+                                            b["other_first"]))
+        infer_meta(gm, fused)
+    fused.meta["kopt_from"] = f"{b['kind']}({describe_node(b['act'])})"
+    out.replace_all_uses_with(fused)
+    for node in (b["cat"], b["act"], b["silu"]):
+        if node is not None and not node.users:
+            g.erase_node(node)
+
+
+def describe_act(match: Match) -> str:
+    b = match.bindings
+    shape = list(tensor_meta(b["cat"] if b["cat"] is not None else b["act"]).shape)
+    cat = "" if b["cat"] is None else (" beside another tensor (cat)")
+    return f"{describe_node(b['act'])}: {b['kind']}{cat}, {shape}"
+
+
+ACT = StructuralRewrite(
+    name=NAME_ACT,
+    matcher=find_act,
+    applier=fuse_act,
+    guard_fn=why_not_act,
+    describer=describe_act,
+    numerics=exact("the kernel repeats the unfused ops' order and roundings (silu rounded to "
+                   "its dtype before the product); the concatenation only moves values"),
+    benefit=4,
+    description="silu(g) * u | cat([o, act(x)]) -> fused_act(g, u [, o])",
+)

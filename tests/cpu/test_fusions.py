@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import kopt
-from kopt.capture import flatten_inputs
+from kopt.capture import capture_module, flatten_inputs
 from kopt.graph import copy_graph_module
 from kopt.models import build
 from kopt.passes.base import PassResult, RewritePass
+from kopt.patterns.act_quant import ACT as FUSE_ACT
 from kopt.patterns.act_quant import ACT_QUANT
 from kopt.patterns.core import Rewrite, exact
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
@@ -342,3 +343,36 @@ def test_cat_act_quant_near_misses_say_why(flags: dict, reason: str) -> None:
     after, result = _rewrite(gm, ACT_QUANT)
     assert _count(after, CAT_ACT) == 0
     assert any(reason in said for said in result.rejected), result.rejected
+
+
+
+def test_fuse_act_takes_what_act_quant_leaves_in_bf16_models() -> None:
+    """Without FP8 there is no quantizer: FLUX.2's SwiGLUs become one kernel each, and its
+    single-stream blocks write the SwiGLU beside the attention output (no cat); bitwise."""
+    import kopt
+
+    w = build("flux2-tiny", dtype=torch.bfloat16)
+    cap = capture_module(w.model, w.args, w.kwargs)
+    before = cap.gm
+    after, result = _rewrite(before, FUSE_ACT)
+    assert result.matched == 6 and result.rejected == {}
+    fused = [n for n in after.graph.nodes if n.target is torch.ops.kopt.fused_act.default]
+    assert sum(n.args[0] is not None for n in fused) == 2  # the single blocks' cat
+    assert _count(after, aten.silu.default) == _count(before, aten.silu.default) - 6
+    assert _count(after, aten.cat.default) == _count(before, aten.cat.default) - 2
+    _verifies(before, after, list(cap.example_inputs), FUSE_ACT)
+    assert not kopt.PassConfig().fuse_act  # off until measured on the H200
+
+
+def test_fuse_act_near_miss_says_why() -> None:
+    """The silu's output is returned too: it must still exist, the product stays unfused."""
+    class SiluTapped(nn.Module):
+        def forward(self, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            s = F.silu(g)
+            return s * u, s
+
+    args = (torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16))
+    after, result = _rewrite(capture_module(SiluTapped(), args).gm, FUSE_ACT)
+    assert _count(after, torch.ops.kopt.fused_act.default) == 0
+    [(said, count)] = result.rejected.items()
+    assert "is also used by output: the unfused value is still needed" in said and count == 1

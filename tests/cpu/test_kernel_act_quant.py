@@ -12,9 +12,12 @@ from kopt.codegen.kernels.act_quant import (
     act_quant_fp8_rowwise,
     act_quant_reference,
     act_quant_triton,
+    act_reference,
+    act_triton,
     activation_reference,
     cat_act_quant_fp8_rowwise,
     cat_act_quant_reference,
+    fused_act,
 )
 from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX
 
@@ -159,3 +162,39 @@ def test_cat_op_contract() -> None:
     assert torch.equal(s, s_ref)
     with pytest.raises(ValueError, match="must have the activation's dtype and rows"):
         torch.ops.kopt.cat_act_quant_fp8_rowwise(other.float(), gate, up, "silu_mul", True)
+
+
+@pytest.mark.parametrize("other", [None, 24, 300], ids=["alone", "cat-24", "cat-300"])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh"])
+@pytest.mark.parametrize("shape", [(7, 40), (3, 5, 129), (2, 4000)],
+                         ids=["small", "3d-odd", "chunked"])
+def test_fused_act_is_the_activation_and_the_cat(shape: tuple[int, ...], activation: str,
+                                                 other: int | None) -> None:
+    """kopt::fused_act's kernel: the activation rounded as torch stores it, beside ``other``
+    (copied bit for bit) in both orders. The interpreter's exp/tanh differ from torch's in the
+    last bit: the activation within one bf16 step, ``other`` exact."""
+    gate, up = _inputs(shape, torch.bfloat16, activation)
+    o = None if other is None else (torch.randn(*shape[:-1], other + 2) * 7)[..., 2:].to(
+        torch.bfloat16)
+    for first in (True, False):
+        got = act_triton(gate, up, activation, other=o, other_first=first)
+        want = act_reference(o, gate, up, activation, first)
+        assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+        n = shape[-1]
+        a_got = got[..., -n:] if (o is not None and first) else got[..., :n]
+        a_want = want[..., -n:] if (o is not None and first) else want[..., :n]
+        torch.testing.assert_close(a_got, a_want, rtol=2.0**-7, atol=1e-6)
+        assert (a_got == a_want).float().mean() > 0.99
+        if o is not None:
+            o_got = got[..., :other] if first else got[..., n:]
+            assert torch.equal(o_got, o)
+
+
+def test_fused_act_op_contract() -> None:
+    gate, up = _inputs((2, 5, 48), torch.bfloat16, "silu_mul")
+    other = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    torch.library.opcheck(fused_act, (other, gate, up, "silu_mul", True))
+    torch.library.opcheck(fused_act, (None, gate, up, "silu_mul", True))
+    y = torch.ops.kopt.fused_act(other, gate, up, "silu_mul", False)
+    assert y.shape == (2, 5, 64) and torch.equal(
+        y, torch.cat([torch.nn.functional.silu(gate) * up, other], -1))

@@ -225,6 +225,79 @@ def _act_quant_kernel(
             tl.store(qo_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=m)
 
 
+@triton.jit
+def _act_kernel(
+    x_ptr, u_ptr, o_ptr, y_ptr,
+    R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """One program per row: the activation in the input's dtype (rounded as torch stores it)
+    and, with ``HAS_OTHER``, the other tensor's row beside it: ``cat([other, act])`` (or
+    ``[act, other]``) written once, in one row of ``N + P`` values."""
+    row = tl.program_id(0).to(tl.int64)
+    r1 = row // R2
+    r2 = row % R2
+    x_row = x_ptr + r1 * sx0 + r2 * sx1
+    u_row = u_ptr + r1 * su0 + r2 * su1
+    o_row = o_ptr + r1 * so0 + r2 * so1
+    y_row = y_ptr + row * (N + P)
+    if OTHER_FIRST:
+        ya_row = y_row + P
+        yo_row = y_row
+    else:
+        ya_row = y_row
+        yo_row = y_row + N
+    dt = x_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, N, BLOCK):
+        mask = start + cols < N
+        a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
+        tl.store(ya_row + start + cols, a.to(dt), mask=mask)
+    if HAS_OTHER:
+        for start in range(0, P, BLOCK):
+            m = start + cols < P
+            tl.store(yo_row + start + cols, tl.load(o_row + (start + cols) * son, mask=m), mask=m)
+
+
+def act_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
+               other: torch.Tensor | None = None, other_first: bool = True) -> torch.Tensor:
+    """:func:`act_reference` with the kernel (CUDA, or CPU tensors under
+    ``TRITON_INTERPRET=1``): ``[*rows, N (+ P)]`` in x's dtype."""
+    check_args(x, up, activation)
+    if other is not None:
+        check_other(other, x)
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {x.dtype}")
+    n = x.shape[-1]
+    p = 0 if other is None else other.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    y = torch.empty((*x.shape[:-1], n + p), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    x3 = _as_3d(x)
+    u3 = _as_3d(up) if up is not None else x3
+    o3 = _as_3d(other) if other is not None else x3
+    block = min(triton.next_power_of_2(max(n, p, 1)), _CHUNK)
+    with on_device(x):
+        _act_kernel[(rows,)](
+            x3, u3, o3, y, x3.shape[1], n, p, *x3.stride(), *u3.stride(), *o3.stride(),
+            ACT=ACTIVATIONS.index(activation), BLOCK=block, HAS_OTHER=other is not None,
+            OTHER_FIRST=other_first, NATIVE=native(_act_kernel, x),
+            num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False,
+        )
+    return y
+
+
+def act_reference(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None,
+                  activation: str, other_first: bool) -> torch.Tensor:
+    """The unfused ops: the activation, then the concatenation with ``other`` (if any)."""
+    a = activation_reference(x, up, activation)
+    if other is None:
+        return a
+    return torch.cat([other, a] if other_first else [a, other], -1)
+
+
 def _config(n: int) -> dict[str, int]:
     """Whole row in one block up to _ONE_PASS_MAX features, else _CHUNK-wide chunks."""
     block = triton.next_power_of_2(n)
@@ -378,3 +451,39 @@ def _(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation:
 def _cat_act_quant64(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None,
                      activation: str, other_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return cat_act_quant_reference(other, x, up, activation, other_first)
+
+
+@torch.library.custom_op("kopt::fused_act", mutates_args=())
+def fused_act(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None,
+              activation: str, other_first: bool) -> torch.Tensor:
+    """``act(x, up)`` in one kernel (SwiGLU: one instead of two), written beside ``other``
+    when given (``cat([other, act], -1)``, or ``[act, other]``): no copy for the cat."""
+    check_args(x, up, activation)
+    if other is not None:
+        check_other(other, x)
+    return act_reference(other, x, up, activation, other_first).contiguous()
+
+
+@fused_act.register_kernel("cuda")
+def _(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None, activation: str,
+      other_first: bool) -> torch.Tensor:
+    if x.dtype in KERNEL_DTYPES:
+        return act_triton(x, up, activation, other=other, other_first=other_first)
+    return act_reference(other, x, up, activation, other_first).contiguous()
+
+
+@fused_act.register_fake
+def _(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None, activation: str,
+      other_first: bool) -> torch.Tensor:
+    check_args(x, up, activation)
+    p = 0
+    if other is not None:
+        check_other(other, x)
+        p = other.shape[-1]
+    return x.new_empty((*x.shape[:-1], x.shape[-1] + p))
+
+
+@fp64_reference(torch.ops.kopt.fused_act.default)
+def _fused_act64(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None,
+                 activation: str, other_first: bool) -> torch.Tensor:
+    return act_reference(other, x, up, activation, other_first)
