@@ -264,7 +264,8 @@ def run_variant(name: str, w: Workload, uncond: dict, ref: torch.Tensor, args) -
                                args.device))
         torch._dynamo.reset()
         return row
-    config = kopt.PassConfig(fp8=kopt.FP8Config() if name.startswith("kopt-fp8") else None)
+    config = kopt.PassConfig(fp8=kopt.FP8Config() if name.startswith("kopt-fp8") else None
+                             ).replace(**{p: True for p in args.enable})
     if name.endswith("-inductor"):
         torch._dynamo.reset()
         reports: list = []
@@ -360,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke run of the harness on a tiny model (no CUDA graphs)")
     p.add_argument("--out-dir", default="e2e-out")
+    p.add_argument("--enable", action="append", default=[], metavar="PASS",
+                   help="turn on a pass that is off by default in the kopt variants")
     args = p.parse_args(argv)
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS) - set(EXTRA_VARIANTS))

@@ -18,6 +18,8 @@ from benchmarks.kernels_specialised import ACT_CASES, QK_CASES, act_inputs, qk_i
 from kopt.codegen.kernels.act_quant import (
     act_quant_reference,
     act_quant_triton,
+    act_reference,
+    act_triton,
     cat_act_quant_reference,
 )
 from kopt.codegen.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
@@ -93,6 +95,22 @@ def test_cat_act_quant_is_bitwise_equal_to_the_unfused_ops(features: int, other:
     q, scale = act_quant_triton(x, up, "silu_mul", other=attn, other_first=other_first)
     q_ref, scale_ref = cat_act_quant_reference(attn, x, up, "silu_mul", other_first)
     _check_act_quant(q, scale, q_ref, scale_ref, "silu_mul")
+
+
+@pytest.mark.parametrize("other", [None, 6144], ids=["swiglu", "w2-single-block-cat"])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh"])
+def test_fused_act_is_bitwise_equal_to_the_unfused_ops(activation: str, other: int | None) -> None:
+    """kopt::fused_act at W2 widths (rows cut to 333): the activation bitwise torch's, the
+    concatenated tensor copied bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    merged = (torch.randn(333, 2 * 18432, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    x = merged[:, :18432]
+    up = merged[:, 18432:] if activation == "silu_mul" else None
+    o = None if other is None else (torch.randn(333, other, device="cuda", generator=g) * 5).to(
+        torch.bfloat16)
+    for first in (True, False):
+        got = act_triton(x, up, activation, other=o, other_first=first)
+        assert _bitwise(got, act_reference(o, x, up, activation, first)) is None
 
 
 @pytest.mark.parametrize("case", QK_CASES, ids=[c.name for c in QK_CASES])
