@@ -82,33 +82,36 @@ def find_act_quant(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
         yield Match(NAME, quant, nodes, bindings, outputs=(quant,))
 
 
-def why_not(gm: fx.GraphModule, match: Match) -> str | None:
-    b = match.bindings
-    quant, reshape, act, silu, gate, up, cat = (
-        b[k] for k in ("quant", "reshape", "act", "silu", "gate", "up", "cat"))
-    for node, only in ((silu, act), (act, cat or reshape or quant), (cat, reshape or quant),
-                       (reshape, quant)):
-        if node is None:
+def _still_needed(*pairs: tuple[fx.Node | None, fx.Node | None]) -> str | None:
+    """Why the fusion cannot drop ``node``: a user other than ``only`` (per pair)."""
+    for node, only in pairs:
+        if node is None or only is None:
             continue
         others = [u.name for u in node.users if u is not only]
         if others:
             return (f"{op_name(node)} output {node.name} is also used by {', '.join(others)}: "
                     "the unfused value is still needed")
+    return None
+
+
+def _operands_problem(b: dict) -> str | None:
+    """What the kernel cannot take in the activation (and the cat) of bindings ``b``."""
     if b["kind"] == "gelu_erf":
         # measured on the H200 (RESULTS.md, 2026-11-29): Triton's erf differs from CUDA's erff
         # in the last bit, which moves a few FP8 values by one step: not exact
         return "GELU(erf) is not bitwise in the fused kernel (erf differs in the last bit)"
-    g, a, x = tensor_meta(gate), tensor_meta(act), tensor_meta(quant.args[0])
+    g, a = tensor_meta(b["gate"]), tensor_meta(b["act"])
     if g.dtype not in KERNEL_DTYPES:
         return f"activation dtype {g.dtype} is not bf16/fp16/fp32"
-    if up is not None:
-        u = tensor_meta(up)
+    if b["up"] is not None:
+        u = tensor_meta(b["up"])
         if u.shape != g.shape:
             return f"gate {list(g.shape)} and up {list(u.shape)} differ in shape (broadcast)"
         if u.dtype != g.dtype:
             return f"gate {g.dtype} and up {u.dtype} differ in dtype"
     if a.dtype != g.dtype:
         return f"activation output {a.dtype} differs from its input's {g.dtype}"
+    cat = b["cat"]
     if cat is not None:
         o, c = tensor_meta(b["other"]), tensor_meta(cat)
         dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
@@ -117,8 +120,18 @@ def why_not(gm: fx.GraphModule, match: Match) -> str | None:
         if o.dtype != a.dtype or tuple(o.shape[:-1]) != tuple(a.shape[:-1]):
             return (f"the tensor concatenated with the activation, {o.dtype}{list(o.shape)}, "
                     f"has other rows or dtype than {a.dtype}{list(a.shape)}")
-        a = c
-    if x.dim() != 2 or x.shape[-1] != a.shape[-1] or x.numel() != a.numel():
+    return None
+
+
+def why_not(gm: fx.GraphModule, match: Match) -> str | None:
+    b = match.bindings
+    quant, reshape, act, silu, cat = (b[k] for k in ("quant", "reshape", "act", "silu", "cat"))
+    why = _still_needed((silu, act), (act, cat or reshape or quant), (cat, reshape or quant),
+                        (reshape, quant)) or _operands_problem(b)
+    if why:
+        return why
+    x, rows = tensor_meta(quant.args[0]), tensor_meta(cat if cat is not None else act)
+    if x.dim() != 2 or x.shape[-1] != rows.shape[-1] or x.numel() != rows.numel():
         return f"the quantizer reads {list(x.shape)}, not the activation's rows [-1, features]"
     return None
 
@@ -198,34 +211,7 @@ def find_act(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
 
 def why_not_act(gm: fx.GraphModule, match: Match) -> str | None:
     b = match.bindings
-    act, silu, cat = b["act"], b["silu"], b["cat"]
-    for node, only in ((silu, act), (act, cat)):
-        if node is None or only is None:
-            continue
-        others = [u.name for u in node.users if u is not only]
-        if others:
-            return (f"{op_name(node)} output {node.name} is also used by {', '.join(others)}: "
-                    "the unfused value is still needed")
-    if b["kind"] == "gelu_erf":
-        return "GELU(erf) is not bitwise in the fused kernel (erf differs in the last bit)"
-    g, a = tensor_meta(b["gate"]), tensor_meta(act)
-    if g.dtype not in KERNEL_DTYPES:
-        return f"activation dtype {g.dtype} is not bf16/fp16/fp32"
-    if b["up"] is not None:
-        u = tensor_meta(b["up"])
-        if u.shape != g.shape or u.dtype != g.dtype:
-            return f"gate {g.dtype}{list(g.shape)} and up {u.dtype}{list(u.shape)} differ"
-    if a.dtype != g.dtype or a.shape != g.shape:
-        return f"activation output {a.dtype}{list(a.shape)} is not its input's"
-    if cat is not None:
-        o, c = tensor_meta(b["other"]), tensor_meta(cat)
-        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-        if dim not in (-1, c.dim() - 1):
-            return f"the concatenation is along dim {dim}, not the features"
-        if o.dtype != a.dtype or tuple(o.shape[:-1]) != tuple(a.shape[:-1]):
-            return (f"the tensor concatenated with the activation, {o.dtype}{list(o.shape)}, "
-                    f"has other rows or dtype than {a.dtype}{list(a.shape)}")
-    return None
+    return _still_needed((b["silu"], b["act"]), (b["act"], b["cat"])) or _operands_problem(b)
 
 
 def fuse_act(gm: fx.GraphModule, match: Match) -> None:

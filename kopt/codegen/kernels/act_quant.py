@@ -160,6 +160,25 @@ def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.co
 
 
 @triton.jit
+def _rows(x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1,
+          OTHER_FIRST: tl.constexpr):
+    """This program's row: its gate, up and other input rows, and where in the output row of
+    ``N + P`` values the activation and the other tensor go."""
+    row = tl.program_id(0).to(tl.int64)
+    r1 = row // R2
+    r2 = row % R2
+    y_row = y_ptr + row * (N + P)
+    if OTHER_FIRST:
+        ya_row = y_row + P
+        yo_row = y_row
+    else:
+        ya_row = y_row
+        yo_row = y_row + N
+    return (row, x_ptr + r1 * sx0 + r2 * sx1, u_ptr + r1 * su0 + r2 * su1,
+            o_ptr + r1 * so0 + r2 * so1, ya_row, yo_row)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr,
     R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
@@ -169,19 +188,8 @@ def _act_quant_kernel(
     """One program per row: the activation, its absolute maximum, the scale and the e4m3
     values. With ``HAS_OTHER`` the row quantized is ``cat([other, act])`` (``OTHER_FIRST``) or
     ``cat([act, other])``: P more features read as they are. See the module docstring."""
-    row = tl.program_id(0).to(tl.int64)
-    r1 = row // R2
-    r2 = row % R2
-    x_row = x_ptr + r1 * sx0 + r2 * sx1
-    u_row = u_ptr + r1 * su0 + r2 * su1
-    o_row = o_ptr + r1 * so0 + r2 * so1
-    q_row = q_ptr + row * (N + P)
-    if OTHER_FIRST:
-        qa_row = q_row + P
-        qo_row = q_row
-    else:
-        qa_row = q_row
-        qo_row = q_row + N
+    row, x_row, u_row, o_row, qa_row, qo_row = _rows(
+        x_ptr, u_ptr, o_ptr, q_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1, OTHER_FIRST)
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
@@ -235,19 +243,8 @@ def _act_kernel(
     """One program per row: the activation in the input's dtype (rounded as torch stores it)
     and, with ``HAS_OTHER``, the other tensor's row beside it: ``cat([other, act])`` (or
     ``[act, other]``) written once, in one row of ``N + P`` values."""
-    row = tl.program_id(0).to(tl.int64)
-    r1 = row // R2
-    r2 = row % R2
-    x_row = x_ptr + r1 * sx0 + r2 * sx1
-    u_row = u_ptr + r1 * su0 + r2 * su1
-    o_row = o_ptr + r1 * so0 + r2 * so1
-    y_row = y_ptr + row * (N + P)
-    if OTHER_FIRST:
-        ya_row = y_row + P
-        yo_row = y_row
-    else:
-        ya_row = y_row
-        yo_row = y_row + N
+    _, x_row, u_row, o_row, ya_row, yo_row = _rows(
+        x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1, OTHER_FIRST)
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     for start in range(0, N, BLOCK):
