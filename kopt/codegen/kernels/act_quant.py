@@ -257,18 +257,22 @@ def _act_kernel(
             tl.store(yo_row + start + cols, tl.load(o_row + (start + cols) * son, mask=m), mask=m)
 
 
-def act_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
-               other: torch.Tensor | None = None, other_first: bool = True) -> torch.Tensor:
-    """:func:`act_reference` with the kernel (CUDA, or CPU tensors under
-    ``TRITON_INTERPRET=1``): ``[*rows, N (+ P)]`` in x's dtype."""
+def _launch_shape(x: torch.Tensor, up: torch.Tensor | None, activation: str,
+                  other: torch.Tensor | None) -> tuple[int, int, int]:
+    """Check a kernel call; (features, other's features, rows)."""
     check_args(x, up, activation)
     if other is not None:
         check_other(other, x)
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {x.dtype}")
-    n = x.shape[-1]
-    p = 0 if other is None else other.shape[-1]
-    rows = math.prod(x.shape[:-1])
+    return x.shape[-1], 0 if other is None else other.shape[-1], math.prod(x.shape[:-1])
+
+
+def act_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
+               other: torch.Tensor | None = None, other_first: bool = True) -> torch.Tensor:
+    """:func:`act_reference` with the kernel (CUDA, or CPU tensors under
+    ``TRITON_INTERPRET=1``): ``[*rows, N (+ P)]`` in x's dtype."""
+    n, p, rows = _launch_shape(x, up, activation, other)
     y = torch.empty((*x.shape[:-1], n + p), dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
@@ -331,14 +335,7 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     (``BLOCK``, ``ONE_PASS``, ``num_warps``) overrides :func:`_config`'s choice (benchmarks
     sweep it); a one-pass block must hold the whole row. ``other``: the rows quantized are
     ``cat([other, act])`` (or ``[act, other]`` unless ``other_first``)."""
-    check_args(x, up, activation)
-    if other is not None:
-        check_other(other, x)
-    if x.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {x.dtype}")
-    n = x.shape[-1]
-    p = 0 if other is None else other.shape[-1]
-    rows = math.prod(x.shape[:-1])
+    n, p, rows = _launch_shape(x, up, activation, other)
     q = torch.empty((rows, n + p), dtype=E4M3, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows == 0:
