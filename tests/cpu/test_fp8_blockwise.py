@@ -39,6 +39,25 @@ def test_blockwise_gemm_cpu_path_is_the_rounded_exact_product() -> None:
     assert 0 < rel < 2**-4
 
 
+def test_exact_product_dequantizes_the_weight_in_128_row_groups(monkeypatch) -> None:  # noqa: ANN001
+    """The fp64 yardstick of a full-size blockwise GEMM must fit: the weight is dequantized a
+    group of 128 rows at a time (here 1 group), the product the same as at once (up to fp64's
+    own summation order)."""
+    import kopt.codegen.kernels.fp8_blockwise as B
+
+    x, w = torch.randn(5, 256), torch.randn(384, 256)
+    qx, sx = quant_fp8_group_reference(x)
+    qw, sw = quant_fp8_block128_reference(w)
+    whole = B._dequant(qx, sx, 1, torch.float64) @ B._dequant(qw, sw, 128, torch.float64).t()
+    sizes = []
+    dequant = B._dequant
+    monkeypatch.setattr(B, "_dequant", lambda q, *a: sizes.append(q.shape[0]) or dequant(q, *a))
+    monkeypatch.setattr(B, "EXACT_CHUNK_BYTES", 8 * 256 * 128)  # one 128-row group
+    got = B.blockwise_mm_exact(qx, sx, qw, sw)
+    torch.testing.assert_close(got, whole, rtol=1e-14, atol=1e-12)
+    assert sizes == [5, 128, 128, 128]  # the activation, then the weight by 128-row groups
+
+
 class _MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -61,12 +61,24 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor, rows_per_scale: int,
     return q.to(dtype) * s
 
 
+# the weight is dequantized to fp64 at most this many bytes at a time (as the verifier's GEMMs)
+EXACT_CHUNK_BYTES = 1 << 30
+
+
 def blockwise_mm_exact(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
                        scale_w: torch.Tensor) -> torch.Tensor:
     """The exact product in fp64 (each dequantized operand is exact in fp64; so are the sums
-    for any K that fits in memory)."""
-    return _dequant(a, scale_a, 1, torch.float64) @ _dequant(w, scale_w, BLOCK,
-                                                             torch.float64).t()
+    for any K that fits in memory). The weight is dequantized a block of 128-row groups at a
+    time: an fp64 copy of a whole large weight (W1's merged modulation, 55 GB) would not fit."""
+    a64 = _dequant(a, scale_a, 1, torch.float64)
+    n, k = w.shape
+    rows = max(BLOCK, EXACT_CHUNK_BYTES // (8 * max(k, 1)) // BLOCK * BLOCK)
+    out = a64.new_empty((a64.shape[0], n))
+    for j in range(0, n, rows):
+        block = _dequant(w[j:j + rows], scale_w[j // BLOCK:(j + rows) // BLOCK], BLOCK,
+                         torch.float64)
+        out[:, j:j + rows] = a64 @ block.t()
+    return out
 
 
 @torch.library.custom_op("kopt::fp8_blockwise_mm", mutates_args=())
