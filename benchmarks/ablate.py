@@ -165,11 +165,11 @@ def main() -> None:
         print("no matplotlib: waterfall.png not written (pip install matplotlib)")
     if args.kb:
         from kopt.kb import KnowledgeBase
-        from kopt.kb.verdicts import _inputs_device, record_ablation, workload_key
+        from kopt.kb.verdicts import inputs_device, record_ablation, workload_key
 
         with KnowledgeBase.open(args.kb) as kb:
             lines = record_ablation(kb, result, workload_key(cap.gm, cap.example_inputs),
-                                    _inputs_device(cap.example_inputs))
+                                    inputs_device(cap.example_inputs))
         print(f"knowledge base {args.kb}:\n" + "\n".join(f"  recorded: {x}" for x in lines))
     print(text)
     print(f"written to {out}/")

@@ -115,7 +115,7 @@ class Ablation:
             return r.predicted_graph_ms if graphs else r.predicted_ms
 
         out: dict[str, tuple[float | None, float]] = {}
-        every = self._all()
+        every = self.every_pass
         prev = self.baseline
         for r in (r for r in self.rows if r.kind == kind):
             if kind == "alone":
@@ -131,7 +131,9 @@ class Ablation:
             out[r.subject] = (p, ms(a) - ms(b))
         return out
 
-    def _all(self) -> Row:
+    @property
+    def every_pass(self) -> Row:
+        """The row with every ablated pass on (the last cumulative row, or ``all``)."""
         every = [r for r in self.rows if r.kind in ("cumulative", "all")]
         if every:
             return every[-1]

@@ -106,13 +106,13 @@ def kopt_backend(
         captured, runtime_idx = capture_dynamo(gm, example_inputs)
     except CaptureError as exc:
         log.warning("kopt: graph left unoptimized: %s", exc)
-        return _inner_compile(opts.inner, gm, example_inputs)
+        return inner_compile(opts.inner, gm, example_inputs)
     first = optimize_dynamo_graph(captured, runtime_idx, example_inputs, opts,
                                   f"dynamo graph ({len(gm.graph.nodes)} nodes)")
     if not first.static:
         return first
 
-    def build(inputs: list[Any]) -> _Runner:
+    def build(inputs: list[Any]) -> Runner:
         again, idx = capture_dynamo(gm, inputs)  # the same graph captured before: cannot fail
         return optimize_dynamo_graph(again, idx, inputs, opts,
                                      f"dynamo graph ({len(gm.graph.nodes)} nodes), other weights")
@@ -121,7 +121,7 @@ def kopt_backend(
 
 
 def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs: list[Any],
-                          opts: BackendOptions, name: str) -> _Runner:
+                          opts: BackendOptions, name: str) -> Runner:
     """kopt's passes on a captured dynamo graph, then the inner compiler: the runner of one
     graph for the parameters in ``example_inputs``."""
     spec = optimize_captured(captured, opts.config, opts.verify, None, name, 0.0)
@@ -129,12 +129,12 @@ def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs:
         opts.reports.append(spec.report)
     log.info("%s", spec.report)
     runtime_examples = [example_inputs[i] for i in runtime_idx]
-    compiled = _inner_compile(opts.inner, spec.gm, runtime_examples)
+    compiled = inner_compile(opts.inner, spec.gm, runtime_examples)
     static_idx = [i for i in range(len(example_inputs)) if i not in set(runtime_idx)]
-    return _Runner(compiled, spec, runtime_idx, static_idx, example_inputs)
+    return Runner(compiled, spec, runtime_idx, static_idx, example_inputs)
 
 
-class _Runner:
+class Runner:
     """Calls the compiled graph with the runtime inputs; re-packs weights changed in place."""
 
     def __init__(self, compiled: Callable[..., Any], spec: _Specialization,
@@ -170,14 +170,14 @@ class PerWeights:
     a parameter replaced by a new object gets a new graph (the old one keeps the old object).
     """
 
-    def __init__(self, first: _Runner, static_idx: list[int], examples: Sequence[Any],
-                 build: Callable[[list[Any]], _Runner]) -> None:
+    def __init__(self, first: Runner, static_idx: list[int], examples: Sequence[Any],
+                 build: Callable[[list[Any]], Runner]) -> None:
         self.static_idx = static_idx
         self.build = build
         self.graphs = {self._key(examples): first}
 
     def _key(self, inputs: Sequence[Any]) -> tuple[int, ...]:
-        # The graphs hold their parameters (``_Runner.static``): ids are not reused meanwhile.
+        # The graphs hold their parameters (``Runner.static``): ids are not reused meanwhile.
         return tuple(id(inputs[i]) for i in self.static_idx)
 
     def __call__(self, *args: Any) -> Any:
@@ -188,7 +188,7 @@ class PerWeights:
         return graph(*args)
 
 
-def _inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+def inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     if inner == "eager":
         return gm.forward
     from torch._inductor.compile_fx import compile_fx

@@ -370,14 +370,14 @@ def _file_ablation(args: argparse.Namespace, result: Any, cap: Any) -> None:
     """Savings per pass and dead ends (passes that made this workload slower) into the
     knowledge base: the next ``kopt optimize`` of the workload skips the dead ends."""
     from kopt.kb import cli as kb_cli
-    from kopt.kb.verdicts import _inputs_device, record_ablation, workload_key
+    from kopt.kb.verdicts import inputs_device, record_ablation, workload_key
 
     with kb_cli.optimize_session(args) as s:
         if s is None:
             return
         workload = s.workload or workload_key(cap.gm, cap.example_inputs)
         lines = s.guard("recording the ablation", lambda: record_ablation(
-            s.kb, result, workload, s.device or _inputs_device(cap.example_inputs),
+            s.kb, result, workload, s.device or inputs_device(cap.example_inputs),
             regime=s.regime), [])
         print(f"knowledge base {s.kb.path} (workload {workload}):\n"
               + ("\n".join(f"  recorded: {line}" for line in lines) or "  recorded: nothing"),

@@ -48,8 +48,8 @@ from kopt.api import Report
 from kopt.backend import (
     BackendOptions,
     PerWeights,
-    _inner_compile,
-    _Runner,
+    Runner,
+    inner_compile,
     optimize_dynamo_graph,
 )
 from kopt.capture import capture_dynamo
@@ -99,13 +99,9 @@ class KoptDiT:
             captured, runtime_idx = capture_dynamo(gm, example_inputs)
         except CaptureError as exc:
             where = f" at {exc.where}" if exc.where else ""
-            written = _written_inputs(gm) if exc.kind != "input mutation" else []
-            hint = (f" (the graph writes into its input{'s' * (len(written) > 1)} "
-                    f"{', '.join(written)} in place, which kopt's capture does not take)"
-                    if written else "")
             self._fall_back(f"graph {number} ({_ops(gm)} ops) runs as dynamo traced it: "
-                            f"{exc.kind}{where}: {exc.detail}{hint}")
-            return _inner_compile(self.options.inner, gm, example_inputs)
+                            f"{exc.kind}{where}: {exc.detail}")
+            return inner_compile(self.options.inner, gm, example_inputs)
         first = optimize_dynamo_graph(captured, runtime_idx, example_inputs, self.options,
                                       f"{self.name} graph {number}")
         if not first.static:
@@ -113,7 +109,7 @@ class KoptDiT:
         return PerWeights(first, [i for i, _ in first.static], example_inputs,
                           lambda inputs: self._recapture(gm, inputs, number))
 
-    def _recapture(self, gm: fx.GraphModule, inputs: list[Any], number: int) -> _Runner:
+    def _recapture(self, gm: fx.GraphModule, inputs: list[Any], number: int) -> Runner:
         captured, runtime_idx = capture_dynamo(gm, inputs)  # captured before: cannot fail
         return optimize_dynamo_graph(captured, runtime_idx, inputs, self.options,
                                      f"{self.name} graph {number}")
@@ -299,28 +295,6 @@ def _denoising_stages(target: Any) -> list[Any]:
 
 def _ops(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
-
-
-def _written_inputs(gm: fx.GraphModule) -> list[str]:
-    """The inputs of a dynamo graph that it writes in place, directly or through a view (an
-    in-place op on a value sharing an input's storage)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    def storage(node: Any) -> Any:
-        value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
-
-    inputs = {storage(n): n.name for n in gm.graph.nodes if n.op == "placeholder"}
-    inputs.pop(None, None)  # inputs that are not tensors
-    written = []
-    for node in gm.graph.nodes:
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        if (node.op in ("call_method", "call_function") and name.endswith("_")
-                and not name.endswith("__") and node.args):
-            source = inputs.get(storage(node.args[0]))
-            if source is not None and source not in written:
-                written.append(source)
-    return written
 
 
 def _short(path: str) -> str:

@@ -28,7 +28,7 @@ def workload_key(gm: Any, example_inputs: Sequence[Any]) -> str:
     return f"graph-{h.hexdigest()[:12]}"
 
 
-def _inputs_device(example_inputs: Sequence[Any]) -> str:
+def inputs_device(example_inputs: Sequence[Any]) -> str:
     for x in example_inputs:
         if hasattr(x, "device") and hasattr(x, "shape"):
             return device_name(x.device)
@@ -146,7 +146,7 @@ def pipeline_run(gm: Any, example_inputs: Sequence[Any]) -> PipelineRun:
     if s is None:
         return PipelineRun(None)
     run = PipelineRun(s, s.workload or workload_key(gm, example_inputs),
-                      s.device or _inputs_device(example_inputs))
+                      s.device or inputs_device(example_inputs))
     s.last_workload, s.last_device = run.workload, run.device
     s.in_pipeline, s.pending = True, []
     return run
@@ -167,7 +167,7 @@ def record_ablation(kb: KnowledgeBase, ablation: Any, workload: str, device: str
     eager = ablation.savings(kind)
     graphs = ablation.savings(kind, graphs=True) if any(
         r.graph_ms is not None for r in ablation.rows) else {}
-    full, base = ablation._all(), ablation.baseline
+    full, base = ablation.every_pass, ablation.baseline
     lines = []
     for name, (_, saved) in eager.items():
         saved_graph = graphs.get(name, (None, None))[1]

@@ -62,7 +62,8 @@ class PassConfig:
     """SwiGLU (``silu(g) * u``) in one kernel instead of two, and an activation concatenated
     with another tensor (FLUX.2's single-stream blocks, BF16) written beside it with no copy;
     what ``fuse_act_quant`` leaves (no FP8 quantizer after it). Off until measured on the H200
-    (the kernel is bitwise and compute-bound: it may lose to the unfused memory-bound ops)."""
+    (the kernel is bitwise, and its act + quant sibling measured compute-bound there: it may
+    lose to the unfused memory-bound ops)."""
 
     fuse_allreduce_norm: bool = True
     """Tensor-parallel graphs: the all-reduce of a row-parallel GEMM's partial sums, the
