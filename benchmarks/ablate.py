@@ -18,12 +18,23 @@
 
 The fit uses the same workload it then predicts (a calibration run); hold it against another
 shape with ``--device-model PATH`` (a ``device_model.json`` from an earlier run).
+
+What the fit and the predictions are made of is kept: ``calibration.json.gz`` (the profiled
+graphs' counts and times, wall times) and ``rows.jsonl.gz`` (each row as it is measured, with
+its graph's counts; a run cut short keeps the rows it finished). Fit and predict again on any
+machine, without the GPU:
+
+    python benchmarks/ablate.py --replay DIR [--device-model fit|h200|PATH] [--out-dir OUT]
+
+``--calibrate-only`` stops after the fit: a new calibration of the same workload, checked
+against an earlier run's rows with ``--replay OLD --device-model NEW/device_model.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import sys
 import time
@@ -32,10 +43,11 @@ from typing import Any
 
 import torch
 
-from kopt.ablate import KINDS, Ablation, ablate, spearman
+from kopt.ablate import KINDS, Ablation, RowLog, ablate, load_rows, repredict, spearman
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
-from kopt.cost import H200, CostModel, DeviceModel, calibrate, known_device
+from kopt.cost import H200, Calibration, CostModel, DeviceModel, known_device, measure
+from kopt.kb.verdicts import inputs_device, workload_key
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
 from kopt.passes.config import LAYOUTS
@@ -93,6 +105,61 @@ def format_comparison(c: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(result: Ablation, out: Path, command: str, description: str) -> str:
+    """ablation.md, ablation.json, comparison.json and waterfall.png; returns the Markdown."""
+    comparison = compare(result)
+    text = (f"`{command}`: {description}\n\n" + result.markdown() + "\n"
+            + format_comparison(comparison))
+    (out / "ablation.md").write_text(text)
+    (out / "ablation.json").write_text(result.to_json())
+    (out / "comparison.json").write_text(json.dumps({"command": command, **comparison},
+                                                    indent=1))
+    try:
+        result.waterfall(out / "waterfall.png")
+    except ImportError:
+        print("no matplotlib: waterfall.png not written (pip install matplotlib)")
+    return text
+
+
+def replay(args: argparse.Namespace) -> None:
+    """Fit and predict again from a run's saved rows and calibration."""
+    src = Path(args.replay)
+    out = Path(args.out_dir or src)
+    out.mkdir(parents=True, exist_ok=True)
+    result = load_rows(src / "rows.jsonl.gz")
+    run = json.loads((src / "run.json").read_text()) if (src / "run.json").exists() else {}
+    cuda = result.device.startswith("cuda") or any(r.graph_ms is not None for r in result.rows)
+    result.device = run.get("device_name", result.device)
+    if args.device_model == "fit":
+        cal = Calibration.from_json(gzip.decompress((src / "calibration.json.gz").read_bytes())
+                                    .decode())
+        device = cal.fit(H200 if cuda else None)
+    elif args.device_model == "h200":
+        device = H200
+    else:
+        device = DeviceModel.load(args.device_model)
+    device.save(out / "device_model.json")
+    print(f"device model: {device.describe()}")
+    result = repredict(result, CostModel(device, calls_per_step=result.calls_per_step))
+    command = "python benchmarks/ablate.py " + " ".join(sys.argv[1:])
+    print(write(result, out, command, f"{result.model}, {len(result.rows)} rows of {src} "
+                "predicted again"))
+    if args.kb:
+        if "workload" not in run:
+            sys.exit(f"--kb: {src}/run.json does not name the workload")
+        record(args.kb, result, run["workload"], run["device"])
+    print(f"written to {out}/")
+
+
+def record(path: str, result: Ablation, workload: str, device: str) -> None:
+    from kopt.kb import KnowledgeBase
+    from kopt.kb.verdicts import record_ablation
+
+    with KnowledgeBase.open(path) as kb:
+        lines = record_ablation(kb, result, workload, device)
+    print(f"knowledge base {path}:\n" + "\n".join(f"  recorded: {x}" for x in lines))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen-image")
@@ -110,10 +177,20 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1, help="verification seeds (0: none)")
     p.add_argument("--device-model", default="fit", metavar="fit|h200|PATH")
     p.add_argument("--profile-iters", type=int, default=3)
-    p.add_argument("--out-dir", required=True)
+    p.add_argument("--out-dir", help="where the results go (required unless --replay)")
+    p.add_argument("--calibrate-only", action="store_true", help="stop after the fit "
+                   "(calibration.json.gz, device_model.json): check it with --replay on the rows "
+                   "of an earlier run")
+    p.add_argument("--replay", metavar="DIR", help="no measuring: fit (--device-model) and "
+                   "predict again from DIR's rows.jsonl.gz and calibration.json.gz")
     p.add_argument("--kb", metavar="PATH", help="also file the savings and the dead ends (passes "
-                   "measured slower) in this knowledge base")
+                   "measured slower) in this knowledge base (with --replay: the replayed rows)")
     args = p.parse_args()
+    if args.replay:
+        replay(args)
+        return
+    if not args.out_dir:
+        p.error("--out-dir is required")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -129,11 +206,17 @@ def main() -> None:
 
     cuda = args.device.startswith("cuda")
     name = torch.cuda.get_device_name(args.device) if cuda else "cpu"
+    run = {"workload": workload_key(cap.gm, cap.example_inputs),
+           "device": inputs_device(cap.example_inputs), "device_name": name,
+           "command": "python benchmarks/ablate.py " + " ".join(sys.argv[1:])}
+    (out / "run.json").write_text(json.dumps(run, indent=1))  # for --replay (and --kb there)
     base = (known_device(name) or H200) if cuda else None  # the CPU: measured ceilings
     if args.device_model == "fit":
         full = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0)
-        device = calibrate([(cap.gm, cap.example_inputs), (full.gm, cap.example_inputs)],
-                           base=base, iters=args.profile_iters)
+        cal = measure([(cap.gm, cap.example_inputs), (full.gm, cap.example_inputs)],
+                      iters=args.profile_iters)
+        (out / "calibration.json.gz").write_bytes(gzip.compress(cal.to_json().encode()))
+        device = cal.fit(base)
         del full
         gc.collect()
         if cuda:
@@ -144,33 +227,21 @@ def main() -> None:
         device = DeviceModel.load(args.device_model)
     device.save(out / "device_model.json")
     print(f"device model: {device.describe()}", flush=True)
+    if args.calibrate_only:
+        print(f"written to {out}/")
+        return
 
     result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
                     cost=CostModel(device, calls_per_step=w.calls_per_step), iters=args.iters,
                     warmup=args.warmup, captured=cap,
                     verify=VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(args.seeds))),
-                    progress=lambda s: print(s, flush=True))
+                    progress=lambda s: print(s, flush=True),
+                    on_row=RowLog(out / "rows.jsonl.gz"))
     result.device = name
-    comparison = compare(result)
     command = "python benchmarks/ablate.py " + " ".join(sys.argv[1:])
-    text = (f"`{command}`: {w.description}\n\n" + result.markdown() + "\n"
-            + format_comparison(comparison))
-    (out / "ablation.md").write_text(text)
-    (out / "ablation.json").write_text(result.to_json())
-    (out / "comparison.json").write_text(json.dumps({"command": command, **comparison},
-                                                    indent=1))
-    try:
-        result.waterfall(out / "waterfall.png")
-    except ImportError:
-        print("no matplotlib: waterfall.png not written (pip install matplotlib)")
+    text = write(result, out, command, w.description)
     if args.kb:
-        from kopt.kb import KnowledgeBase
-        from kopt.kb.verdicts import inputs_device, record_ablation, workload_key
-
-        with KnowledgeBase.open(args.kb) as kb:
-            lines = record_ablation(kb, result, workload_key(cap.gm, cap.example_inputs),
-                                    inputs_device(cap.example_inputs))
-        print(f"knowledge base {args.kb}:\n" + "\n".join(f"  recorded: {x}" for x in lines))
+        record(args.kb, result, run["workload"], run["device"])
     print(text)
     print(f"written to {out}/")
 

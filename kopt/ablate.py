@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import gzip
 import itertools
 import json
 import logging
@@ -41,7 +42,7 @@ from torch.utils import _pytree as pytree
 from kopt.api import optimize_captured
 from kopt.bench import median_ms
 from kopt.capture import Captured, capture_module, flatten_inputs
-from kopt.cost import CostModel, Ranking
+from kopt.cost import CostModel, OpCount, Ranking, count_graph
 from kopt.cudagraphs import CudaGraphRunner
 from kopt.models import Workload
 from kopt.passes import PassConfig
@@ -77,6 +78,13 @@ class Row:
     verified: bool | None  # None: not verified
     verdict: str
     error: float | None  # relative error of the main output against the baseline's
+    # the optimized graph's counts (what the predictions are made from; not in to_json)
+    counts: tuple[OpCount, ...] | None = field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "counts"}
+        d["passes"] = list(self.passes)
+        return d
 
 
 @dataclass
@@ -151,7 +159,8 @@ class Ablation:
         cols = ["variant", "sites", "ms/call", "saved"]
         if graphs:
             cols += ["ms/call (CUDA graph)", "saved (graph)"]
-        cols += ["predicted ms", "predicted saved", "numerics", "rel. error vs baseline"]
+        cols += ["predicted ms", "predicted saved"] + (["predicted ms (graph)"] if graphs else [])
+        cols += ["numerics", "rel. error vs baseline"]
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in self.rows:
             cells = [r.variant, str(r.sites), f"{r.ms:.4g}", _pct(base.ms - r.ms, base.ms)]
@@ -161,16 +170,20 @@ class Ablation:
                           else _pct(base.graph_ms - r.graph_ms, base.graph_ms)]
             cells += ["-" if r.predicted_ms is None else f"{r.predicted_ms:.4g}",
                       "-" if r.predicted_ms is None or base.predicted_ms is None
-                      else _pct(base.predicted_ms - r.predicted_ms, base.predicted_ms),
-                      r.verdict.replace("|", "/"),
+                      else _pct(base.predicted_ms - r.predicted_ms, base.predicted_ms)]
+            if graphs:
+                cells.append("-" if r.predicted_graph_ms is None else f"{r.predicted_graph_ms:.4g}")
+            cells += [r.verdict.replace("|", "/"),
                       "-" if r.error is None else f"{r.error:.2e}"]
             lines.append("| " + " | ".join(cells) + " |")
         out = head + "\n".join(lines)
-        for kind in ("alone", "leave-one-out"):
-            s = self.savings(kind)
+        for kind, g in itertools.product(("alone", "leave-one-out"),
+                                         (False, True) if graphs else (False,)):
+            s = self.savings(kind, graphs=g)
             if not s:
                 continue
-            out += (f"\n\nPredicted vs measured ms saved per call ({kind}):\n\n"
+            mode = ", replayed from a CUDA graph" if g else ""
+            out += (f"\n\nPredicted vs measured ms saved per call ({kind}{mode}):\n\n"
                     "| pass | predicted | measured | predicted / measured |\n|---|---|---|---|\n")
             for name, (p, m) in s.items():
                 ratio = "-" if p is None or m == 0 else f"{p / m:.2f}"
@@ -181,13 +194,17 @@ class Ablation:
                 out += f"\nSpearman rank correlation: {rho:.2f} over {len(pairs)} passes\n"
         return out
 
+    def meta(self) -> dict[str, Any]:
+        """The run's settings (everything but the rows and the ranking)."""
+        return {"model": self.model, "device": self.device, "dtype": self.dtype,
+                "calls_per_step": self.calls_per_step, "iters": self.iters, "date": self.date,
+                "torch": self.torch_version, "device_model": self.device_model,
+                "order": list(self.order), "context": list(self.context)}
+
     def to_json(self) -> str:
         return json.dumps({
-            "model": self.model, "device": self.device, "dtype": self.dtype,
-            "calls_per_step": self.calls_per_step, "iters": self.iters, "date": self.date,
-            "torch": self.torch_version, "device_model": self.device_model,
-            "order": list(self.order), "context": list(self.context),
-            "rows": [dataclasses.asdict(r) for r in self.rows],
+            **self.meta(),
+            "rows": [r.to_dict() for r in self.rows],
             "savings": {k: self.savings(k) for k in KINDS},
             "ranking": None if self.ranking is None else [
                 {"pass": p.name, "sites": p.sites, "predicted_saved_ms": p.saved_ms,
@@ -324,11 +341,13 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
            kinds: Sequence[str] = KINDS, cost: CostModel | None = None, iters: int = 10,
            warmup: int = 3, verify: VerifyOptions = VerifyOptions(),
            captured: Captured | None = None,
-           progress: Callable[[str], None] = log.info) -> Ablation:
+           progress: Callable[[str], None] = log.info,
+           on_row: Callable[[Ablation, Row], None] | None = None) -> Ablation:
     """Ablate the passes ``config`` enables (or only ``passes`` of them) on workload ``w``.
 
     ``cost``: ranks the passes (the cumulative order) and predicts each row; without it the
-    order is the pipeline's. ``captured``: reuse a capture of ``w``.
+    order is the pipeline's. ``captured``: reuse a capture of ``w``. ``on_row``: called with
+    each row as it is measured (to save rows of a run that may not finish).
     """
     context: tuple[str, ...] = ()
     if passes is not None:
@@ -365,15 +384,21 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
         if known is not None:  # the same passes under another name: measured once
             result.rows.append(dataclasses.replace(known, variant=v.name, kind=v.kind,
                                                    subject=v.subject))
+            if on_row is not None:
+                on_row(result, result.rows[-1])
             continue
         row = _measure(v, w, cap, verify, cost, reference, inputs, iters, warmup)
         measured[v.config] = row
         result.rows.append(row)
+        if on_row is not None:
+            on_row(result, row)
         progress(f"ablate {v.name}: {row.ms:.4g} ms per call"
                  + (f", {row.graph_ms:.4g} ms in a CUDA graph" if row.graph_ms is not None
                     else "")
                  + (f", predicted {row.predicted_ms:.4g}" if row.predicted_ms is not None
                     else "")
+                 + (f" ({row.predicted_graph_ms:.4g} in a graph)"
+                    if row.predicted_graph_ms is not None else "")
                  + f"; {row.verdict}")
         gc.collect()  # the variant's packed weights and caches
         if cuda:
@@ -403,16 +428,73 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
                 log.warning("ablate %s: %s", v.name, graph_error)
                 runner = None
                 torch.cuda.synchronize()
-    predicted = predicted_graph = None
-    if cost is not None:
-        predicted = dataclasses.replace(cost, cuda_graphs=False).graph(gm).total_ms
-        if device.type == "cuda":
-            predicted_graph = dataclasses.replace(cost, cuda_graphs=True).graph(gm).total_ms
+    counts = tuple(count_graph(gm))
+    predicted, predicted_graph = _predict(cost, counts, device.type == "cuda")
     verified, verdict = _verdict(spec.report, verify)
     if graph_error:
         verdict = f"{verdict}; {graph_error}"
     return Row(v.name, v.kind, v.subject, v.passes, ms, graph_ms, predicted, predicted_graph,
-               spec.report.applied, verified, verdict, error)
+               spec.report.applied, verified, verdict, error, counts)
+
+
+def _predict(cost: CostModel | None, counts: Sequence[OpCount],
+             cuda: bool) -> tuple[float | None, float | None]:
+    """(eager, CUDA graph) ms per call ``cost`` predicts for a graph of ``counts``."""
+    if cost is None:
+        return None, None
+    eager = dataclasses.replace(cost, cuda_graphs=False).predict(counts).total_ms
+    graph = dataclasses.replace(cost, cuda_graphs=True).predict(counts).total_ms if cuda else None
+    return eager, graph
+
+
+def repredict(result: Ablation, cost: CostModel) -> Ablation:
+    """``result`` with every row's prediction made again by ``cost`` from the row's counts (a
+    device model fitted again, or another one), the measurements as they were. The ranking's
+    in-pipeline predictions need the graphs: they are dropped."""
+    cuda = result.device.startswith("cuda") or any(r.graph_ms is not None for r in result.rows)
+    rows = []
+    for r in result.rows:
+        if r.counts is None:
+            raise ValueError(f"ablation row {r.variant!r} has no counts to predict from")
+        p, g = _predict(cost, r.counts, cuda)
+        rows.append(dataclasses.replace(r, predicted_ms=p, predicted_graph_ms=g))
+    return dataclasses.replace(result, rows=rows, ranking=None,
+                               device_model=cost.device.describe())
+
+
+class RowLog:
+    """An ``on_row`` for :func:`ablate`: each row, with its counts, appended to a gzipped
+    JSON-lines file as soon as it is measured (the first line: the run's settings), so a run
+    cut short still leaves what it measured. :func:`load_rows` reads it back."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.unlink(missing_ok=True)
+
+    def __call__(self, result: Ablation, row: Row) -> None:
+        lines = [] if self.path.exists() else [{"meta": result.meta()}]
+        lines.append({**row.to_dict(), "counts": None if row.counts is None else
+                      [dataclasses.asdict(c) for c in row.counts]})
+        with gzip.open(self.path, "at") as f:  # one gzip member per row: still one stream
+            f.writelines(json.dumps(x) + "\n" for x in lines)
+
+
+def load_rows(path: str | Path) -> Ablation:
+    """The ablation a :class:`RowLog` wrote (every row it holds, finished run or not)."""
+    with gzip.open(path, "rt") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if not lines or "meta" not in lines[0]:
+        raise ValueError(f"{path}: not an ablation row log (no settings line)")
+    meta = lines[0]["meta"]
+    result = Ablation(meta["model"], meta["device"], meta["dtype"], meta["calls_per_step"],
+                      meta["iters"], tuple(meta["order"]), device_model=meta["device_model"],
+                      context=tuple(meta["context"]), date=meta["date"],
+                      torch_version=meta["torch"])
+    for d in lines[1:]:
+        counts = d.pop("counts")
+        result.rows.append(Row(**{**d, "passes": tuple(d["passes"])}, counts=None if counts is
+                               None else tuple(OpCount(**c) for c in counts)))
+    return result
 
 
 def _verdict(report: Any, verify: VerifyOptions) -> tuple[bool | None, str]:

@@ -235,7 +235,8 @@ class OptimizedModule:
                 return self.original(*args, **kwargs)
             log.info("kopt: new input signature; capturing and optimizing again")
             spec_entry = _specialize(self.original, args, kwargs, self.config, self._verify,
-                                     self._dump_dir, cost=self._cost)
+                                     self._dump_dir, cost=self._cost,
+                                     cuda_graphs=self.cuda_graphs)
             self._specs[key] = spec_entry
             self._share(spec_entry)
             if len(self._specs) == 1:
@@ -310,23 +311,27 @@ def _watch_identity(model: torch.nn.Module, gm: fx.GraphModule) -> list[tuple[di
 
 def _specialize(model: torch.nn.Module, args: tuple, kwargs: dict | None, config: PassConfig,
                 verify: VerifyOptions, dump_dir: Path | None,
-                name: str | None = None, cost: CostModel | None = None) -> _Specialization:
+                name: str | None = None, cost: CostModel | None = None,
+                cuda_graphs: bool = False) -> _Specialization:
     t0 = time.perf_counter()
     log.info("kopt: capturing %s", name or type(model).__name__)
     captured = capture_module(model, args, kwargs)
     capture_s = time.perf_counter() - t0
     return optimize_captured(captured, config, verify, dump_dir, name or type(model).__name__,
-                             capture_s, cost=cost)
+                             capture_s, cost=cost, cuda_graphs=cuda_graphs)
 
 
 def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOptions,
                       dump_dir: Path | None, name: str, capture_seconds: float,
-                      cost: CostModel | None = None) -> _Specialization:
-    """``cost``: ranks the passes and skips those predicted to lose (``kopt.cost``)."""
+                      cost: CostModel | None = None,
+                      cuda_graphs: bool = False) -> _Specialization:
+    """``cost``: ranks the passes and skips those predicted to lose (``kopt.cost``);
+    ``cuda_graphs``: the module will replay from CUDA graphs (dead ends recorded only for
+    that mode apply)."""
     nodes = sum(1 for n in captured.gm.graph.nodes if n.op == "call_function")
     log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
              len(config.enabled()))
-    manager = PassManager(config, verify, dump_dir, cost=cost)
+    manager = PassManager(config, verify, dump_dir, cost=cost, cuda_graphs=cuda_graphs)
     gm, results = manager.run(captured.gm, captured.example_inputs)
     report = Report(name, captured.source, capture_seconds, nodes, results, manager.uuid(),
                     manager.ranking)
@@ -357,7 +362,8 @@ def optimize(
                       "batch-norm statistics are traced as in training; call model.eval() first",
                       stacklevel=2)
     dump = Path(dump_dir) if dump_dir else None
-    first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost)
+    first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost,
+                        cuda_graphs=cuda_graphs)
     opt = OptimizedModule(model, first, config, verify, dump)
     opt.cuda_graphs = cuda_graphs
     opt._cost = cost

@@ -192,7 +192,16 @@ class Attribution:
         return json.dumps({"device": self.device, "iters": self.iters, "total_ms": self.total_ms,
                            "categories": {c.name: c.ms for c in self.categories()},
                            "nodes": {k: vars(v) for k, v in self.nodes.items()},
-                           "unattributed": self.unattributed}, indent=1)
+                           "unattributed": self.unattributed,
+                           "category_ms": self.category_ms}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Attribution:
+        """The attribution :meth:`to_json` wrote (its per-category times are derived)."""
+        d = json.loads(text)
+        return cls(d["device"], d["iters"],
+                   {k: NodeCost(**v) for k, v in d["nodes"].items()},
+                   dict(d["unattributed"]), d["total_ms"], dict(d.get("category_ms", {})))
 
 
 class _Annotated(fx.Interpreter):
@@ -257,6 +266,39 @@ def _enclosing(e: Any, prefix: str) -> str | None:
 
 def _enclosing_node(e: Any) -> str | None:
     return _enclosing(e, PREFIX)
+
+
+def host_times(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5) -> dict[str, float]:
+    """Host time (ms) of each computing node's call, without the profiler: the least over
+    ``iters`` calls (after one warm-up) of the wall time around it, less the per-node cost of
+    timing it (measured on the graph's placeholders, which do nothing). On CUDA, where
+    launches return at once, this is what the node costs the host -- as long as the device
+    keeps up (a full launch queue makes a launch wait: a device-bound graph's host times are
+    upper bounds). The profiler's own op times inflate the host's by its recording, more for
+    an op that calls many others (kopt's custom ops)."""
+    clock = time.perf_counter_ns
+    best: dict[str, int] = {}
+
+    class Timed(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            t0 = clock()
+            out = super().run_node(n)
+            t = clock() - t0
+            if t < best.get(n.name, t + 1):
+                best[n.name] = t
+            return out
+
+    runner = Timed(gm)
+    with torch.no_grad():
+        for _ in range(iters + 1):
+            runner.run(*inputs)
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in inputs)
+    if cuda:
+        torch.cuda.synchronize()
+    empty = [best[n.name] for n in gm.graph.nodes if n.op == "placeholder" and n.name in best]
+    floor = min(empty) if empty else 0
+    return {n.name: max(best[n.name] - floor, 0) / 1e6 for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method", "call_module") and n.name in best}
 
 
 def profile_graph(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 3,

@@ -43,13 +43,12 @@ the input dtype (the Llama/Qwen3/diffusers RMSNorm modules: ``weight * x_normed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -628,16 +627,50 @@ class Launch:
     outputs: dict[str, torch.Tensor]
 
 
-def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
-                   num_warps: int | None = None, rows_per: int | None = None) -> Launch:
-    """Check the call, allocate its outputs and build the kernel's arguments (``kernel`` is None
-    when there is nothing to compute: no rows or no columns). ``num_warps`` and ``rows_per``
-    (rows per program, a power of two) override the tiling's choice (benchmarks sweep them)."""
+class _In(NamedTuple):
+    """Where a plan's argument takes the call's input ``name`` (as the kernel views it)."""
+
+    name: str
+
+
+class _Out(NamedTuple):
+    """Where a plan's argument takes the call's output ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A launch less the call's tensors: everything fixed by the spec and each input's shape,
+    stride, dtype and device, which is all :func:`_check_call` reads -- so a plan made (checks
+    included) for one call holds for every call of the same :func:`_plan_key`.
+
+    The kernel reads a tensor argument only as an address and a dtype: an input whose kernel
+    view is a view of it (the same address) is passed as it is; one the checks had to copy
+    (rows not viewable with unit column stride) is copied again, to the same shape."""
+
+    kernel: Any  # None: nothing to compute (no rows or no columns)
+    grid: tuple[int]
+    args: tuple[Any, ...]  # the scalars; None where a tensor goes
+    input_args: tuple[tuple[int, tuple[int, ...] | None, tuple[int, ...]], ...]
+    # ^ (input index, the shape to copy it to or None, the argument positions it fills)
+    output_args: tuple[tuple[int, str, bool], ...]  # (argument position, output, as bytes)
+    constexprs: dict[str, Any]
+    num_warps: int
+    allocs: tuple[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+    # ^ (output, shape, strides, dtype), in the op's output order
+    device: torch.device
+
+
+def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
+          rows_per: int | None = None) -> _Plan:
+    """Check the call and work out its launch (``rows_per`` overrides the tiling's choice)."""
     c = _check_call(spec, inputs)
     out = _allocate(c)
+    allocs = tuple((n, tuple(v.shape), v.stride(), v.dtype) for n, v in out.items())
     rows, cols = c.rows, c.cols
     if rows == 0 or cols == 0:
-        return Launch(None, (0,), [], {}, 0, out)
+        return _Plan(None, (0,), (), (), (), {}, 0, allocs, c.x.device)
     min_block = 128 if "fp8_group" in spec.outputs else 64 if "nvfp4" in spec.outputs else 16
     launch_rows = nvfp4_launch_rows(rows) if "nvfp4" in spec.outputs else rows
     block, tiled_rows, warps = row_tiling(cols, launch_rows, min_block)
@@ -648,24 +681,21 @@ def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
     kernel = kernel_for(spec)
     x, t = c.x, c.t
 
-    def ptr(name: str) -> torch.Tensor:
-        return t.get(name, x)  # unused pointers: any tensor
+    def ptr(name: str) -> _In:
+        return _In(name if name in t else "x")  # unused pointers: any tensor
 
-    def o(name: str) -> torch.Tensor:
-        v = out.get(name)
-        if v is None:
-            return x
-        return v.view(torch.uint8) if v.dtype == E4M3 else v
+    def o(name: str) -> _Out | _In:
+        return _Out(name) if name in out else _In("x")
 
     ep_args: list[Any] = []
     for op in spec.epilogue_operands():
         v = t[f"ep_{op.name}"]
         stride = v.stride(0) if op.kind in ("tile", "batch") else 0
         tokens = rows // v.shape[0] if op.kind == "batch" else 1
-        ep_args += [v, stride, tokens]
+        ep_args += [_In(f"ep_{op.name}"), stride, tokens]
     gate, scale = t.get("gate"), t.get("scale")
     args = [
-        x, ptr("y"), ptr("residual_bias"), ptr("gate"), ptr("weight"), ptr("bias"),
+        _In("x"), ptr("y"), ptr("residual_bias"), ptr("gate"), ptr("weight"), ptr("bias"),
         ptr("scale"), ptr("shift"), ptr("global_scale"),
         o("out"), o("residual"), o("fp8_row"), o("fp8_row_scale"), o("fp8_group"),
         o("fp8_group_scale"), o("nvfp4"), o("nvfp4_scale"), *ep_args,
@@ -685,8 +715,80 @@ def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
         FP8_GROUP="fp8_group" in out, NVFP4="nvfp4" in out,
         ROWS=rows_per, BLOCK=block, CUDA=mirror_cuda(kernel, x),
     )
-    grid = (triton.cdiv(launch_rows, rows_per),)
-    return Launch(kernel, grid, args, constexprs, num_warps or warps, out)
+    index = {n: k for k, n in enumerate(spec.input_names())}
+    views = {"x": x, **t}
+    positions: dict[str, list[int]] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, _In):
+            positions.setdefault(a.name, []).append(i)
+    ins = tuple(
+        (index[n], None if views[n].data_ptr() == inputs[index[n]].data_ptr()
+         else tuple(views[n].shape), tuple(pos))
+        for n, pos in positions.items())
+    outs = tuple((i, a.name, out[a.name].dtype == E4M3) for i, a in enumerate(args)
+                 if isinstance(a, _Out))
+    scalars = tuple(None if isinstance(a, _In | _Out) else a for a in args)
+    return _Plan(kernel, (triton.cdiv(launch_rows, rows_per),), scalars, ins, outs, constexprs,
+                 warps, allocs, x.device)
+
+
+def _plan_key(spec: RowwiseSpec, inputs: Sequence[torch.Tensor]) -> tuple:
+    """What a call's plan depends on: the spec and each input's shape, strides, dtype, device."""
+    return spec.to_json(), *[(v.shape, v.stride(), v.dtype, v.device) for v in inputs]
+
+
+# the plans of the calls seen, oldest first; bounded, as dynamic shapes make new keys
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 1024
+
+
+def _cached_plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor]) -> _Plan:
+    key = _plan_key(spec, inputs)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(spec, inputs)  # raises for a bad call: no key of one is ever stored
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)), None)
+        _PLANS[key] = plan
+    return plan
+
+
+def _assemble(plan: _Plan, inputs: Sequence[torch.Tensor], num_warps: int | None) -> Launch:
+    """The launch of ``plan`` on this call's tensors, with its outputs freshly allocated."""
+    dev = plan.device
+    out = {n: torch.empty_strided(shape, strides, dtype=dtype, device=dev)
+           for n, shape, strides, dtype in plan.allocs}
+    if plan.kernel is None:
+        return Launch(None, (0,), [], {}, 0, out)
+    args = list(plan.args)
+    for k, copy_shape, pos in plan.input_args:
+        v = inputs[k] if copy_shape is None else inputs[k].reshape(copy_shape).contiguous()
+        for i in pos:
+            args[i] = v
+    for i, name, as_bytes in plan.output_args:
+        args[i] = out[name].view(torch.uint8) if as_bytes else out[name]
+    return Launch(plan.kernel, plan.grid, args, dict(plan.constexprs),
+                  num_warps or plan.num_warps, out)
+
+
+def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
+                   num_warps: int | None = None, rows_per: int | None = None) -> Launch:
+    """Check the call, allocate its outputs and build the kernel's arguments (``kernel`` is None
+    when there is nothing to compute: no rows or no columns). ``num_warps`` and ``rows_per``
+    (rows per program, a power of two) override the tiling's choice (benchmarks sweep them).
+
+    The checks and everything else that depends only on the spec and the inputs' shapes,
+    strides, dtypes and devices run once per such key (a :class:`_Plan`, cached); a call of a
+    known key only allocates its outputs and places its tensors (eager models launch hundreds
+    of these per step and are bound by the host)."""
+    plan = _cached_plan(spec, inputs) if rows_per is None else _plan(spec, inputs, rows_per)
+    return _assemble(plan, inputs, num_warps)
+
+
+def _run(launch: Launch) -> None:
+    # fp fusion off: a * b + c must round twice, as the unfused kernels do
+    launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps,
+                               enable_fp_fusion=False)
 
 
 def rowwise_triton(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
@@ -698,10 +800,12 @@ def rowwise_triton(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
     if launch.kernel is None:
         return launch.outputs
     x = launch.args[0]
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        # fp fusion off: a * b + c must round twice, as the unfused kernels do
-        launch.kernel[launch.grid](*launch.args, **launch.constexprs,
-                                   num_warps=launch.num_warps, enable_fp_fusion=False)
+    # Triton launches on the current device; entering torch.cuda.device costs microseconds
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):
+            _run(launch)
+    else:
+        _run(launch)
     return launch.outputs
 
 
@@ -729,9 +833,8 @@ def _(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
 
 @rowwise_op.register_kernel("cuda")
 def _(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    s = _parse_spec(spec)
-    out = rowwise_triton(s, inputs)
-    return [out[n] for n in s.output_names()]
+    # the outputs are allocated in the op's output order (:func:`_allocate`)
+    return list(rowwise_triton(_parse_spec(spec), inputs).values())
 
 
 @fp64_reference(torch.ops.kopt.rowwise.default)

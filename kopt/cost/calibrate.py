@@ -16,7 +16,10 @@ Solved by non-negative least squares on relative errors (each equation divided b
 value), so a 5 us element-wise op weighs as much as a 5 ms GEMM and the fixed costs are set by
 the many small ops. The ops' own times miss what the host spends between them (the graph's
 Python): given each graph's measured wall time per call (:func:`calibrate` measures it), that
-is fitted as ``node_us``, a host cost per node. Each node's time is the least over the profiled
+is fitted as ``node_us``, a host cost per node; on CUDA, with two host-bound graphs, together
+with a scale on the ops' host times (the profiler's own time per recorded op inflates them).
+An op whose host cost per launch differs from the pooled one (kopt's custom ops: Python and a
+Triton launcher) gets its own (``host_us``). Each node's time is the least over the profiled
 calls (``NodeCost.min_ms``) and each wall time the least of the timed calls: on a shared
 machine the least disturbed sample is the one that measures the device.
 
@@ -29,6 +32,8 @@ that tell the two apart, else its category's, else those shared by every other k
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -41,7 +46,7 @@ from torch import fx
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
 from kopt.cost.device import DeviceModel
-from kopt.profile import Attribution, NodeCost, profile_graph
+from kopt.profile import Attribution, NodeCost, host_times, profile_graph
 
 # The time a profiler gives an op below this is mostly its own overhead: not a rate sample.
 MIN_RATE_SAMPLE_MS = 1e-3
@@ -57,12 +62,19 @@ class _Sample:
         return self.cost.min_ms or self.cost.ms
 
 
-def _samples(pairs: Sequence[tuple[fx.GraphModule, Attribution]]) -> list[_Sample]:
+Counted = tuple[Sequence[OpCount], Attribution]  # a graph's counts and its measured times
+
+
+def _counted(pairs: Sequence[tuple[fx.GraphModule, Attribution]]) -> list[Counted]:
+    return [(count_graph(gm), attribution) for gm, attribution in pairs]
+
+
+def _samples(pairs: Sequence[Counted]) -> list[_Sample]:
     """Nodes with measured time, top-level only (a hoisted region's time is its cache check
     on the profiled repeat calls, not its nodes')."""
     out = []
-    for gm, attribution in pairs:
-        for c in count_graph(gm):
+    for counts, attribution in pairs:
+        for c in counts:
             cost = attribution.nodes.get(c.node)
             if "/" not in c.node and cost is not None and (cost.ms > 0 or cost.host_ms > 0):
                 out.append(_Sample(c, cost))
@@ -157,6 +169,14 @@ def fit(pairs: Sequence[tuple[fx.GraphModule, Attribution]], base: DeviceModel |
     the device is taken to be synchronous (a CPU). ``wall_ms``: each graph's measured time per
     call outside the profiler, for the host overhead between ops.
     """
+    return fit_counted(_counted(pairs), base, wall_ms=wall_ms, min_nodes=min_nodes, name=name)
+
+
+def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
+                wall_ms: Sequence[float] | None = None, min_nodes: int = 3,
+                name: str | None = None) -> DeviceModel:
+    """:func:`fit` on graphs already counted (``(counts, attribution)``): what a
+    :class:`Calibration` saved on one machine holds, fitted again on another."""
     samples = _samples(pairs)
     if not samples:
         raise ValueError("no node of the trace has measured time")
@@ -219,55 +239,142 @@ def fit(pairs: Sequence[tuple[fx.GraphModule, Attribution]], base: DeviceModel |
     kernel_us = fixed_us.pop(ANY_KERNEL, base.kernel_us if base else (
         statistics.median(fixed_us.values()) if fixed_us else 0.0))
 
+    host_us: dict[str, float] = {}
     if cuda:  # host time per launch and per view, from the ops' CPU times
-        hrows = [i for i, s in enumerate(samples) if s.cost.host_ms > 0]
-        ha = torch.tensor([[launches[i] / 1e3, 0.0 if samples[i].count.kernel else 1 / 1e3]
-                           for i in hrows], dtype=torch.float64)
-        hy = torch.tensor([samples[i].cost.host_ms for i in hrows], dtype=torch.float64)
-        launch_us, view_us = nnls(ha / hy.unsqueeze(1), torch.ones_like(hy)).tolist()
+        launch_us, view_us, host_us = _fit_host(samples, launches, min_nodes)
     else:
         launch_us, view_us = 0.0, (x[index["view", ""]] if views else 0.0)
 
     model = counted.with_(
-        launch_us=launch_us, view_us=view_us, kernel_us=kernel_us, fixed_us=fixed_us,
-        efficiency=efficiency, graph_launch_us=(base.graph_launch_us if base else None),
-        asynchronous=cuda)
+        launch_us=launch_us, view_us=view_us, host_us=host_us, kernel_us=kernel_us,
+        fixed_us=fixed_us, efficiency=efficiency,
+        graph_launch_us=(base.graph_launch_us if base else None), asynchronous=cuda)
+    note = ""
     if wall_ms is not None:
-        model = model.with_(node_us=_node_us(model, [gm for gm, _ in pairs], wall_ms))
+        model, note = _fit_walls(model, [counts for counts, _ in pairs], wall_ms)
     error = fit_error(model, pairs)
     where = ", ".join(sorted({a.device for _, a in pairs}))
     return model.with_(source=f"fitted to {len(samples)} nodes of {len(pairs)} {where} "
-                              f"trace(s); median relative error per node {error:.0%}")
+                              f"trace(s); median relative error per node {error:.0%}{note}")
 
 
-def _node_us(model: DeviceModel, graphs: Sequence[fx.GraphModule],
-             wall_ms: Sequence[float]) -> float:
-    """Host time per node not seen in the ops' own times: the median over the graphs of
-    (wall - modelled time) / nodes, where the host bounds the call (always on a CPU; on CUDA
-    where the wall time exceeds the modelled device time). Hoisted regions hit their caches in
-    repeated calls with the same inputs, so their nodes count as not run."""
-    per_node = []
-    for gm, wall in zip(graphs, wall_ms, strict=True):
-        counts = [c for c in count_graph(gm) if c.cached is None]
+# An op gets its own host cost per launch when its median differs from the pooled one by more
+# than this fraction (kopt's custom ops: a Python implementation and a Triton launcher).
+OWN_HOST = 0.25
+
+
+def _fit_host(samples: Sequence[_Sample], launches: Sequence[float],
+              min_nodes: int) -> tuple[float, float, dict[str, float]]:
+    """(launch_us, view_us, host_us by op) from the ops' CPU times: one pooled cost per launch
+    and per view (least squares on relative errors), and an op's own median cost per launch
+    where the trace has ``min_nodes`` of it and that median is not the pooled one."""
+    rows = [i for i, s in enumerate(samples) if s.cost.host_ms > 0]
+
+    def pooled(keep: Sequence[int]) -> tuple[float, float]:
+        if not keep:
+            return 0.0, 0.0
+        a = torch.tensor([[launches[i] / 1e3, 0.0 if samples[i].count.kernel else 1 / 1e3]
+                          for i in keep], dtype=torch.float64)
+        y = torch.tensor([samples[i].cost.host_ms for i in keep], dtype=torch.float64)
+        launch, view = nnls(a / y.unsqueeze(1), torch.ones_like(y)).tolist()
+        return launch, view
+
+    launch_us, view_us = pooled(rows)
+    per_op: dict[str, list[float]] = defaultdict(list)
+    for i in rows:
+        if samples[i].count.kernel and launches[i] > 0:
+            per_op[samples[i].count.op].append(samples[i].cost.host_ms * 1e3 / launches[i])
+    host_us = {op: statistics.median(v) for op, v in per_op.items()
+               if len(v) >= min_nodes
+               and abs(statistics.median(v) - launch_us) > OWN_HOST * launch_us}
+    if host_us:
+        rest = [i for i in rows if samples[i].count.op not in host_us]
+        launch_us, view_us = pooled(rest) if rest else (launch_us, view_us)
+    return launch_us, view_us, host_us
+
+
+def _fit_walls(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
+               wall_ms: Sequence[float]) -> tuple[DeviceModel, str]:
+    """Fit the host time the ops' own times do not show to the measured wall times per call.
+
+    On a CPU (synchronous) every graph's wall time is its op times plus the graph's Python
+    between them: ``node_us``, a host cost per node (the median over the graphs). On CUDA only
+    the graphs whose wall time exceeds their modelled device time are host-bound and say
+    anything about the host; the profiler also adds its own time to every op it records, so
+    with two such graphs both a scale on the ops' host costs and ``node_us`` are fitted
+    (non-negative least squares on relative errors), with one only ``node_us``. Hoisted
+    regions hit their caches in repeated calls with the same inputs: their nodes count as not
+    run."""
+    eqs = []  # (ops' host ms, nodes, wall ms)
+    for graph, wall in zip(graphs, wall_ms, strict=True):
+        counts = [c for c in graph if c.cached is None]
         p = model.predict(counts)
-        if model.asynchronous:
-            if wall <= p.device_ms:
-                continue
-            per_node.append((wall - p.host_ms) / len(counts) * 1e3)
-        else:
-            per_node.append((wall - p.total_ms) / len(counts) * 1e3)
-    return max(statistics.median(per_node), 0.0) if per_node else 0.0
+        if model.asynchronous and wall <= p.device_ms:
+            continue  # device-bound: the wall time is the device's
+        ops = p.host_ms if model.asynchronous else p.total_ms
+        eqs.append((ops, len(counts), wall))
+    if not eqs:
+        return model, ""
+    if not model.asynchronous or len(eqs) < 2:
+        per_node = [(wall - ops) / n * 1e3 for ops, n, wall in eqs]
+        return model.with_(node_us=max(statistics.median(per_node), 0.0)), ""
+    a = torch.tensor([[ops, n / 1e3] for ops, n, _ in eqs], dtype=torch.float64)
+    y = torch.tensor([wall for *_, wall in eqs], dtype=torch.float64)
+    scale, node_us = nnls(a / y.unsqueeze(1), torch.ones_like(y)).tolist()
+    if scale <= 0:
+        return model, ""
+    model = model.with_(launch_us=model.launch_us * scale, view_us=model.view_us * scale,
+                        host_us={k: v * scale for k, v in model.host_us.items()},
+                        node_us=node_us)
+    return model, f"; ops' host times x {scale:.2f} to {len(eqs)} measured wall times"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a fit is made of, per graph: its counts, its profiled times, its wall time per
+    call. Saved (:meth:`to_json`) beside a measurement, it lets the device model be fitted
+    again later, on any machine, without the graphs or the device."""
+
+    graphs: tuple[tuple[tuple[OpCount, ...], Attribution, float], ...]
+
+    def fit(self, base: DeviceModel | None = None, *, min_nodes: int = 3,
+            name: str | None = None) -> DeviceModel:
+        return fit_counted([(c, a) for c, a, _ in self.graphs], base,
+                           wall_ms=[w for *_, w in self.graphs], min_nodes=min_nodes, name=name)
+
+    def to_json(self) -> str:
+        return json.dumps([{"counts": [dataclasses.asdict(c) for c in counts],
+                            "attribution": json.loads(a.to_json()), "wall_ms": wall}
+                           for counts, a, wall in self.graphs])
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        return cls(tuple((tuple(OpCount(**c) for c in g["counts"]),
+                          Attribution.from_json(json.dumps(g["attribution"])), g["wall_ms"])
+                         for g in json.loads(text)))
+
+
+def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
+            iters: int = 5) -> Calibration:
+    """Profile each (graph, inputs) and time it end to end (outside the profiler). On CUDA the
+    nodes' host times come from a run without the profiler (:func:`kopt.profile.host_times`),
+    whose recording inflates them unevenly."""
+    out = []
+    for gm, inputs in graphs:
+        attribution = profile_graph(gm, inputs, iters=iters)
+        if attribution.device == "cuda":
+            host = host_times(gm, inputs, iters)
+            attribution.nodes = {k: dataclasses.replace(v, host_ms=host.get(k, v.host_ms))
+                                 for k, v in attribution.nodes.items()}
+        out.append((tuple(count_graph(gm)), attribution, best_ms(gm, inputs, iters)))
+    return Calibration(tuple(out))
 
 
 def calibrate(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]],
               base: DeviceModel | None = None, *, iters: int = 5,
               name: str | None = None) -> DeviceModel:
     """Profile each (graph, inputs), time it end to end, and fit a device model to both."""
-    pairs, walls = [], []
-    for gm, inputs in graphs:
-        pairs.append((gm, profile_graph(gm, inputs, iters=iters)))
-        walls.append(best_ms(gm, inputs, iters))
-    return fit(pairs, base, wall_ms=walls, name=name)
+    return measure(graphs, iters=iters).fit(base, name=name)
 
 
 def best_ms(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5) -> float:
@@ -289,7 +396,7 @@ def _kernels_per_op(samples: Sequence[_Sample]) -> dict[str, float]:
     return {op: m for op, m in medians.items() if m != 1.0}
 
 
-def fit_error(model: DeviceModel, pairs: Sequence[tuple[fx.GraphModule, Attribution]]) -> float:
+def fit_error(model: DeviceModel, pairs: Sequence[Counted]) -> float:
     """Median |predicted - measured| / measured over the nodes with measured time (kernel
     time on CUDA, op time on a CPU)."""
     errors = []

@@ -4,6 +4,7 @@
     kopt kb show ID                                   (K12, M3, V7, L1: as list prints them)
     kopt kb export --format md|json [--out PATH]
     kopt kb prune [--older-than DAYS] [--keep-other-versions] [--dry-run]
+    kopt kb merge OTHER.sqlite                        (copy in what another file has)
     kopt kb mark REWRITE dead_end --cause TEXT [--tag TAG] [--workload KEY] [--device NAME]
     kopt kb lesson TEXT [--tag TAG] [--rewrite NAME] [--device NAME]
 
@@ -52,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     common = argparse.ArgumentParser(add_help=False)
     _kb_option(common)
     kb = subparsers.add_parser("kb", help="the knowledge base of tuned kernels, measurements "
-                               "and verdicts: list, show, export, prune, mark, lesson")
+                               "and verdicts: list, show, export, prune, merge, mark, lesson")
     sub = kb.add_subparsers(dest="kb_command", required=True)
     ls = sub.add_parser("list", parents=[common], help="one line per entry, with its id")
     ls.add_argument("--kind", choices=sorted(_KINDS), action="append", default=[],
@@ -70,6 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     pr.add_argument("--keep-other-versions", action="store_true",
                     help="keep kernel configs tuned under other torch/triton versions")
     pr.add_argument("--dry-run", action="store_true", help="count, remove nothing")
+    mg = sub.add_parser("merge", parents=[common],
+                        help="copy in the entries another knowledge base has and this one "
+                             "lacks (another machine's or session's)")
+    mg.add_argument("other", help="the other knowledge base file")
     mk = sub.add_parser("mark", parents=[common],
                         help="record a verdict on a rewrite by hand (e.g. a dead end)")
     mk.add_argument("rewrite", help="the pass name, as the report prints it")
@@ -126,6 +131,12 @@ def _run(kb: KnowledgeBase, args: argparse.Namespace) -> int:
         result = kb.prune(args.older_than, other_versions=not args.keep_other_versions,
                           dry_run=args.dry_run)
         print(result.format())
+    elif cmd == "merge":
+        other = Path(args.other).expanduser()
+        if not other.is_file():
+            raise InvalidRecord(f"no knowledge base at {other}")
+        with KnowledgeBase.open(other) as src:
+            print(kb.merge(src).format())
     elif cmd == "mark":
         vid = kb.record_verdict(args.rewrite, args.verdict, workload=args.workload,
                                 device=args.device, cause=args.cause, tags=args.tag,

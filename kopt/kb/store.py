@@ -194,6 +194,22 @@ class PruneResult:
         return f"prune {verb} {self.total} rows: " + ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class MergeResult:
+    """What ``merge`` copied from another knowledge base, and what it left out and why."""
+
+    source: str
+    added: dict[str, int]  # table -> rows added
+    skipped: dict[str, int]  # reason -> rows left out
+
+    def format(self) -> str:
+        parts = [f"{n} {table}" for table, n in self.added.items()]
+        text = f"merged {self.source}: added " + ", ".join(parts)
+        if self.skipped:
+            text += "; left out " + ", ".join(f"{n} {why}" for why, n in self.skipped.items())
+        return text
+
+
 def default_path() -> Path:
     """``$KOPT_CACHE_DIR/kb.sqlite``, else ``$XDG_CACHE_HOME/kopt/kb.sqlite``, else
     ``~/.cache/kopt/kb.sqlite``: where ``kopt`` keeps its knowledge base unless told."""
@@ -490,13 +506,17 @@ class KnowledgeBase:
             (rewrite, device, ANY, workload, ANY, regime))
 
     def dead_end(self, rewrite: str, device: str, workload: str, regime: str | None = None,
-                 rewrite_uuid: str | None = None) -> VerdictRecord | None:
+                 rewrite_uuid: str | None = None, *,
+                 cuda_graphs: bool = False) -> VerdictRecord | None:
         """The dead-end verdict that rules ``rewrite`` out here, if any. The newest verdict of
         a human or the ablation decides (pipeline verdicts judge numerics only, so they never
         lift a dead end); a dead end recorded for another version of the pass (``rewrite_uuid``
-        differs) no longer applies."""
+        differs) no longer applies, nor, unless the run replays from CUDA graphs
+        (``cuda_graphs``), one whose only cause is being slower under CUDA graphs."""
         for v in self.verdicts_for(rewrite, device, workload, regime):
             if v.origin == "pipeline":
+                continue
+            if v.tags == ("slower-under-cuda-graphs",) and not cuda_graphs:
                 continue
             if v.verdict != "dead_end":
                 return None
@@ -651,6 +671,107 @@ class KnowledgeBase:
                     db.execute("DELETE FROM measurements WHERE created_at < ?", (cutoff,))
                     db.execute("DELETE FROM verdicts WHERE created_at < ?", (cutoff,))
         return PruneResult(other, invalid, older, of_kernels, dry_run)
+
+
+    def merge(self, other: KnowledgeBase) -> MergeResult:
+        """Copy into this file every entry of ``other`` (a knowledge base of another machine,
+        session or teammate) that it lacks, in one write transaction: kernel configs
+        (validated like a read; rows that fail are skipped and counted, never copied),
+        measurements (re-pointed at this file's ids of their kernels), verdicts with their
+        tags, and lessons. An entry is a duplicate when every field, its time included,
+        equals one already here: merging the same file twice adds nothing. Times are kept, so
+        the newest verdict still decides a dead end."""
+        if other.path.resolve() == self.path.resolve():
+            raise InvalidRecord(f"cannot merge knowledge base {self.path} into itself")
+        with other._read() as src:
+            kernels = src.execute("SELECT id, template, source_hash, bucket, dtype, device, "
+                                  "torch_version, triton_version, config, created_at "
+                                  "FROM kernels ORDER BY id").fetchall()
+            measurements = src.execute(
+                "SELECT kind, workload, device, baseline_ms, candidate_ms, cuda_graphs, "
+                "kernel_id, rewrite, note, created_at FROM measurements ORDER BY id").fetchall()
+            verdicts = [(r, other._tags(src, "verdict", r[0])) for r in src.execute(
+                "SELECT id, rewrite, workload, device, verdict, cause, regime, origin, "
+                "rewrite_uuid, created_at FROM verdicts ORDER BY id").fetchall()]
+            lessons = [(r, other._tags(src, "lesson", r[0])) for r in src.execute(
+                "SELECT id, text, rewrite, device, created_at FROM lessons ORDER BY id")
+                .fetchall()]
+        added = dict.fromkeys(("kernels", "measurements", "verdicts", "lessons"), 0)
+        skipped: dict[str, int] = {}
+
+        def skip(why: str) -> None:
+            skipped[why] = skipped.get(why, 0) + 1
+
+        kernel_ids: dict[int, int] = {}
+        with self._write() as db:
+            for kid, template, *key, raw, created in kernels:
+                try:
+                    text = config_text(template, validate_config(template, raw))
+                except ConfigRejected:
+                    skip("kernel configs that fail validation")
+                    continue
+                cur = db.execute("INSERT OR IGNORE INTO kernels (template, source_hash, bucket, "
+                                 "dtype, device, torch_version, triton_version, config, "
+                                 "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                 (template, *key, text, created))
+                added["kernels"] += cur.rowcount
+                kernel_ids[kid] = db.execute(
+                    "SELECT id FROM kernels WHERE template = ? AND source_hash = ? AND "
+                    "bucket = ? AND dtype = ? AND device = ? AND torch_version = ? AND "
+                    "triton_version = ? AND config = ?", (template, *key, text)).fetchone()[0]
+            for kind, *rest, kernel_id, rewrite, note, created in measurements:
+                times = rest[2:4]
+                if kind not in MEASUREMENT_KINDS or not all(
+                        t is None or (isinstance(t, int | float) and 0 <= t < float("inf"))
+                        for t in times) or times[1] is None:
+                    skip("invalid measurements")
+                    continue
+                if kernel_id is not None:
+                    if kernel_id not in kernel_ids:
+                        skip("measurements of skipped kernels")
+                        continue
+                    kernel_id = kernel_ids[kernel_id]
+                row = (kind, *rest, kernel_id, rewrite, note, created)
+                if db.execute("SELECT 1 FROM measurements WHERE kind = ? AND workload = ? AND "
+                              "device = ? AND baseline_ms IS ? AND candidate_ms = ? AND "
+                              "cuda_graphs = ? AND kernel_id IS ? AND rewrite IS ? AND "
+                              "note = ? AND created_at = ?", row).fetchone():
+                    continue
+                db.execute("INSERT INTO measurements (kind, workload, device, baseline_ms, "
+                           "candidate_ms, cuda_graphs, kernel_id, rewrite, note, created_at) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+                added["measurements"] += 1
+            for (_, *row), tags in verdicts:
+                if row[3] not in VERDICTS or row[6] not in ORIGINS or set(tags) - set(TAGS) \
+                        or (row[3] == "dead_end" and row[6] == "pipeline"):
+                    skip("invalid verdicts")
+                    continue
+                same = db.execute(
+                    "SELECT id FROM verdicts WHERE rewrite = ? AND workload = ? AND device = ? "
+                    "AND verdict = ? AND cause = ? AND regime IS ? AND origin = ? AND "
+                    "rewrite_uuid IS ? AND created_at = ?", row).fetchall()
+                if any(self._tags(db, "verdict", r[0]) == tags for r in same):
+                    continue
+                vid = db.execute("INSERT INTO verdicts (rewrite, workload, device, verdict, "
+                                 "cause, regime, origin, rewrite_uuid, created_at) VALUES "
+                                 "(?, ?, ?, ?, ?, ?, ?, ?, ?)", row).lastrowid
+                db.executemany("INSERT INTO verdict_tags (verdict_id, tag) VALUES (?, ?)",
+                               [(vid, t) for t in tags])
+                added["verdicts"] += 1
+            for (_, *row), tags in lessons:
+                if set(tags) - set(TAGS) or not str(row[0]).strip():
+                    skip("invalid lessons")
+                    continue
+                same = db.execute("SELECT id FROM lessons WHERE text = ? AND rewrite IS ? AND "
+                                  "device IS ? AND created_at = ?", row).fetchall()
+                if any(self._tags(db, "lesson", r[0]) == tags for r in same):
+                    continue
+                lid = db.execute("INSERT INTO lessons (text, rewrite, device, created_at) "
+                                 "VALUES (?, ?, ?, ?)", row).lastrowid
+                db.executemany("INSERT INTO lesson_tags (lesson_id, tag) VALUES (?, ?)",
+                               [(lid, t) for t in tags])
+                added["lessons"] += 1
+        return MergeResult(str(other.path), added, skipped)
 
 
 def _wal(db: sqlite3.Connection, timeout_s: float) -> None:

@@ -43,10 +43,11 @@ def _reason(v: VerdictRecord) -> str:
 
 
 def skip_reason(kb: KnowledgeBase, pass_name: str, workload_key: str, device: str, *,
-                regime: str | None = None, uuid: str | None = None) -> str | None:
+                regime: str | None = None, uuid: str | None = None,
+                cuda_graphs: bool = False) -> str | None:
     """Why ``pass_name`` should not run on this workload and device (a recorded dead end that
     still applies, see :meth:`KnowledgeBase.dead_end`), or None."""
-    v = kb.dead_end(pass_name, device, workload_key, regime, uuid)
+    v = kb.dead_end(pass_name, device, workload_key, regime, uuid, cuda_graphs=cuda_graphs)
     return None if v is None else _reason(v)
 
 
@@ -90,6 +91,7 @@ class PipelineRun:
     workload: str = ""
     device: str = ""
     retried: list[str] = field(default_factory=list)
+    cuda_graphs: bool = False  # the optimized module replays from CUDA graphs
 
     def skip(self, p: Any, gm: Any) -> Any:
         """A PassResult saying why ``p`` is skipped (a dead end), or None to run it."""
@@ -98,7 +100,8 @@ class PipelineRun:
             return None
         uuid = p.uuid()
         why = s.guard("reading verdicts", lambda: skip_reason(
-            s.kb, p.name, self.workload, self.device, regime=s.regime, uuid=uuid), None)
+            s.kb, p.name, self.workload, self.device, regime=s.regime, uuid=uuid,
+            cuda_graphs=self.cuda_graphs), None)
         if why is None:
             before = s.guard("reading verdicts", lambda: s.kb.verdicts_for(
                 p.name, self.device, self.workload, s.regime), [])
@@ -140,13 +143,15 @@ class PipelineRun:
             s.recorded.append(f"{len(ids)} pass verdicts ({', '.join(f'V{i}' for i in ids)})")
 
 
-def pipeline_run(gm: Any, example_inputs: Sequence[Any]) -> PipelineRun:
-    """The knowledge base's part in one pass-manager run over the captured ``gm``."""
+def pipeline_run(gm: Any, example_inputs: Sequence[Any], *,
+                 cuda_graphs: bool = False) -> PipelineRun:
+    """The knowledge base's part in one pass-manager run over the captured ``gm``
+    (``cuda_graphs``: the result will replay from CUDA graphs)."""
     s = active()
     if s is None:
         return PipelineRun(None)
     run = PipelineRun(s, s.workload or workload_key(gm, example_inputs),
-                      s.device or inputs_device(example_inputs))
+                      s.device or inputs_device(example_inputs), cuda_graphs=cuda_graphs)
     s.last_workload, s.last_device = run.workload, run.device
     s.in_pipeline, s.pending = True, []
     return run

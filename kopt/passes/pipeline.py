@@ -75,8 +75,10 @@ class PassManager:
         verify: VerifyOptions = VerifyOptions(),
         dump_dir: Path | None = None,
         cost: CostModel | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.config = config
+        self.cuda_graphs = cuda_graphs  # the result replays from CUDA graphs (the KB's dead ends)
         self.verify = verify
         self.dump_dir = Path(dump_dir) if dump_dir else None
         self.passes = build_passes(config)
@@ -97,7 +99,8 @@ class PassManager:
         captured = gm
         self._dump(gm, "00_captured")
         self._dump_patterns()
-        kb = pipeline_run(gm, example_inputs)  # knowledge base: dead ends to skip, verdicts
+        # knowledge base: dead ends to skip, verdicts
+        kb = pipeline_run(gm, example_inputs, cuda_graphs=self.cuda_graphs)
         for i, p in enumerate(self.passes, start=1):
             if (skipped := kb.skip(p, gm)) is not None:
                 results.append(skipped)

@@ -4,14 +4,18 @@ every row is measured, predicted and verified, and the writers produce what they
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kopt.ablate import KINDS, ablate, spearman, step_inputs, variants
+from kopt.ablate import KINDS, RowLog, ablate, load_rows, repredict, spearman, step_inputs, variants
 from kopt.capture import flatten_inputs
 from kopt.cli import main
 from kopt.cost import H200, CostModel
+from kopt.kb import KnowledgeBase
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
 from kopt.verify import VerifyOptions
@@ -164,3 +168,65 @@ def _one_thread():  # noqa: ANN202
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_row_log_keeps_rows_and_counts_and_predictions_can_be_made_again(
+        result, tmp_path) -> None:  # noqa: ANN001
+    log = RowLog(tmp_path / "rows.jsonl.gz")
+    for row in result.rows[:3]:  # a run cut short: the rows it finished
+        log(result, row)
+    back = load_rows(log.path)
+    assert back.rows == result.rows[:3] and back.order == result.order
+    assert all(a.counts == b.counts and a.counts
+               for a, b in zip(back.rows, result.rows[:3], strict=True))
+    # the same device model predicts the same from the saved counts; another one otherwise
+    cost = CostModel(H200, calls_per_step=result.calls_per_step)
+    again = repredict(back, cost)
+    assert [r.predicted_ms for r in again.rows] == [r.predicted_ms for r in result.rows[:3]]
+    slow_host = repredict(back, CostModel(H200.with_(launch_us=100 * H200.launch_us),
+                                          calls_per_step=result.calls_per_step))
+    assert all(s.predicted_ms > r.predicted_ms
+               for s, r in zip(slow_host.rows, again.rows, strict=True))
+    assert [r.ms for r in slow_host.rows] == [r.ms for r in result.rows[:3]]
+
+
+def test_benchmark_replays_a_cpu_run_from_its_saved_rows_and_calibration(tmp_path) -> None:  # noqa: ANN001
+    root = Path(__file__).resolve().parents[2]
+    run = [sys.executable, str(root / "benchmarks" / "ablate.py"), "--model", "llm-tiny",
+           "--device", "cpu", "--dtype", "fp32", "--kind", "leave-one-out", "--pass", "cse",
+           "--pass", "rowwise_fusion", "--iters", "2", "--warmup", "1", "--seeds", "0",
+           "--profile-iters", "2", "--out-dir", str(tmp_path / "run")]
+    done = subprocess.run(run, capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = {p.name for p in (tmp_path / "run").iterdir()}
+    assert {"rows.jsonl.gz", "calibration.json.gz", "device_model.json", "ablation.md",
+            "run.json"} <= saved
+    replay = [sys.executable, str(root / "benchmarks" / "ablate.py"), "--replay",
+              str(tmp_path / "run"), "--out-dir", str(tmp_path / "again"),
+              "--kb", str(tmp_path / "kb.sqlite")]
+    done = subprocess.run(replay, capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads((tmp_path / "run" / "ablation.json").read_text())["rows"]
+    again = json.loads((tmp_path / "again" / "ablation.json").read_text())["rows"]
+    # the measurements as they were; the fit made again from the same calibration predicts
+    # what the run predicted
+    assert [r["ms"] for r in again] == [r["ms"] for r in measured]
+    assert [r["predicted_ms"] for r in again] == pytest.approx(
+        [r["predicted_ms"] for r in measured], rel=1e-9)
+    # a new calibration alone, then the old rows predicted with it
+    calibrate = [*run[:-1], str(tmp_path / "cal"), "--calibrate-only"]
+    done = subprocess.run(calibrate, capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (tmp_path / "cal" / "rows.jsonl.gz").exists()
+    held_out = [*replay[:5], str(tmp_path / "held-out"), "--device-model",
+                str(tmp_path / "cal" / "device_model.json")]
+    done = subprocess.run(held_out, capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "held-out" / "ablation.json").read_text())["rows"]
+    assert [r["ms"] for r in rows] == [r["ms"] for r in measured]
+    assert all(r["predicted_ms"] > 0 for r in rows)
+    # filed under the run's workload: one end-to-end measurement per pass that rewrote
+    with KnowledgeBase.open(tmp_path / "kb.sqlite") as kb:
+        filed = {m.rewrite for m in kb.measurements() if m.kind == "e2e"}
+    workload = json.loads((tmp_path / "run" / "run.json").read_text())["workload"]
+    assert filed == {"cse", "rowwise_fusion"} and workload.startswith("graph-")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kopt.capture import capture_module
+from kopt.codegen import rowwise as rw
 from kopt.codegen.kernels.nvfp4 import quant_nvfp4_reference
 from kopt.codegen.kernels.quant_fp8 import (
     quant_fp8_group_reference,
@@ -23,10 +25,12 @@ from kopt.codegen.kernels.quant_fp8 import (
 )
 from kopt.codegen.pointwise import Instr, Operand, PointwiseProgram, from_fx
 from kopt.codegen.rowwise import (
+    Launch,
     RowwiseError,
     RowwiseSpec,
     kernel_for,
     kernel_source,
+    prepare_launch,
     rowwise,
     rowwise_op,
     rowwise_reference,
@@ -494,3 +498,181 @@ def test_rows_per_program_override_keeps_the_result(rows_per: int) -> None:
         assert _bitwise(got[n], want[n]), n
     with pytest.raises(ValueError, match="power of two"):
         rowwise_triton(spec, [ins[n] for n in names], rows_per=3)
+
+
+# -- launch plans ----------------------------------------------------------------------------------
+
+_EVERY_KIND = PointwiseProgram(
+    (Operand("x", "tile", "bfloat16"), Operand("u", "tile", "bfloat16"),
+     Operand("r", "row", "float32"), Operand("c", "col", "bfloat16"),
+     Operand("m", "batch", "bfloat16"), Operand("k", "scalar", "float32")),
+    (Instr("mul", ("x", "u"), "bfloat16"), Instr("add", ("%0", "c"), "bfloat16"),
+     Instr("div", ("%1", "m"), "bfloat16"), Instr("mul", ("%2", "r"), "float32"),
+     Instr("sub", ("%3", "k"), "float32")), ("%4",))
+
+
+def _prologue_case() -> tuple[RowwiseSpec, list[torch.Tensor]]:
+    # every prologue step, every output, 2 batch items of gate/scale/shift
+    spec = RowwiseSpec("bfloat16", norm="layer", residual=True, residual_bias=True, gate=True,
+                       modulation=True, outputs=ALL_OUTPUTS)
+    ins = _inputs(spec, 2, 5, 64)
+    return spec, [ins[n] for n in spec.input_names()]
+
+
+def _epilogue_case() -> tuple[RowwiseSpec, list[torch.Tensor]]:
+    spec = RowwiseSpec("bfloat16", residual=True, epilogue=_EVERY_KIND,
+                       outputs=("out", "fp8_row", "fp8_group"))
+    b, t, c = 2, 3, 136
+    ins = _inputs(spec, b, t, c, ep_u=torch.randn(b, t, c, dtype=BF),
+                  ep_r=torch.rand(b, t, 1) + 0.5, ep_c=torch.randn(c, dtype=BF),
+                  ep_m=(torch.rand(b, 1, c) + 0.5).bfloat16(), ep_k=torch.tensor(0.25))
+    return spec, [ins[n] for n in spec.input_names()]
+
+
+def _strided_case() -> tuple[RowwiseSpec, list[torch.Tensor]]:
+    # x, y, gate views with row strides (passed as they are); a transposed epilogue tile, a
+    # strided weight and row operand (copied by the checks, so copied on every call)
+    b, t, c = 2, 2, 48
+    ep = PointwiseProgram(
+        (Operand("x", "tile", "bfloat16"), Operand("u", "tile", "bfloat16"),
+         Operand("r", "row", "bfloat16")),
+        (Instr("mul", ("x", "u"), "bfloat16"), Instr("add", ("%0", "r"), "bfloat16")), ("%1",))
+    spec = RowwiseSpec("bfloat16", norm="rms", weight=True, residual=True, gate=True,
+                       epilogue=ep, outputs=("out", "residual", "fp8_row", "nvfp4"))
+    wide = torch.randn(b * t, 2 * c, dtype=BF)
+    ins = _inputs(spec, b, t, c, x=wide[:, :c].reshape(b, t, c),
+                  y=wide[:, c:].reshape(b, t, c),
+                  gate=torch.randn(b, 1, 3 * c, dtype=BF)[..., c: 2 * c],
+                  weight=torch.randn(2 * c)[::2],
+                  ep_u=torch.randn(c, b * t, dtype=BF).t().reshape(b, t, c),
+                  ep_r=torch.randn(b * t, 2, dtype=BF)[:, 0])
+    assert not ins["x"].is_contiguous() and not ins["ep_u"].is_contiguous()
+    return spec, [ins[n] for n in spec.input_names()]
+
+
+def _fp16_one_row_case() -> tuple[RowwiseSpec, list[torch.Tensor]]:
+    spec = RowwiseSpec("float16", norm="rms", eps=1e-5, weight=True, bias=True,
+                       outputs=("nvfp4",))
+    ins = _inputs(spec, 1, 1, 32, weight=torch.randn(32), bias=torch.randn(32))
+    return spec, [ins[n] for n in spec.input_names()]
+
+
+def _no_rows_case() -> tuple[RowwiseSpec, list[torch.Tensor]]:
+    spec = RowwiseSpec("bfloat16", residual=True, outputs=("out", "fp8_group"))
+    return spec, [torch.empty(0, 3, 64, dtype=BF), torch.empty(0, 3, 64, dtype=BF)]
+
+
+_CASES = [_prologue_case, _epilogue_case, _strided_case, _fp16_one_row_case, _no_rows_case]
+
+
+def _facts(launch: Launch, inputs: list[torch.Tensor]) -> tuple:
+    """A launch in terms that hold for any call of one key: each tensor argument as the input
+    it points into, the output it is, or a copy (its values); scalars with their type (an int
+    and a float are different kernel arguments); outputs by shape, strides, dtype, device."""
+    outs = {v.data_ptr(): n for n, v in launch.outputs.items()}
+
+    def arg(a: object) -> tuple:
+        if not isinstance(a, torch.Tensor):
+            return type(a), a
+        at = [k for k, v in enumerate(inputs) if v.data_ptr() == a.data_ptr()]
+        if at:
+            return "input", at, a.dtype
+        if a.data_ptr() in outs:
+            return "output", outs[a.data_ptr()], a.dtype
+        return "copy", a.dtype, tuple(a.shape), a.stride(), a.float().tolist()
+
+    return (launch.kernel, launch.grid, [arg(a) for a in launch.args], launch.constexprs,
+            launch.num_warps,
+            [(n, tuple(v.shape), v.stride(), v.dtype, v.device)
+             for n, v in launch.outputs.items()])
+
+
+@pytest.fixture
+def plans(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """An empty plan cache for the test (the module's is restored after it)."""
+    monkeypatch.setattr(rw, "_PLANS", {})
+    return rw._PLANS
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_cached_launch_is_the_uncached_one(case: Callable[[], tuple], plans: dict) -> None:
+    spec, first = case()
+    got = prepare_launch(spec, first)
+    assert len(plans) == 1
+    plan = next(iter(plans.values()))
+    assert _facts(got, first) == _facts(rw._assemble(rw._plan(spec, first), first, None), first)
+    # another call of the key (other tensors, same layouts): the plan is reused, the launch is
+    # the one an uncached plan of this call gives, with outputs of its own
+    spec, second = case()
+    assert rw._plan_key(spec, second) == rw._plan_key(spec, first)
+    again = prepare_launch(spec, second)
+    assert len(plans) == 1 and next(iter(plans.values())) is plan
+    want = rw._assemble(rw._plan(spec, second), second, None)
+    assert _facts(again, second) == _facts(want, second)
+    assert not {v.data_ptr() for v in got.outputs.values() if v.numel()} & {
+        v.data_ptr() for v in again.outputs.values() if v.numel()}
+    assert list(again.outputs) == spec.output_names()
+    if again.kernel is not None:
+        assert any(a is v for a in again.args for v in second)  # inputs passed as they are
+        assert prepare_launch(spec, second, num_warps=2).num_warps == 2
+        override = prepare_launch(spec, second, rows_per=1)  # bypasses the cache
+        assert override.constexprs["ROWS"] == 1 and len(plans) == 1
+
+
+def test_cached_launch_with_copied_inputs_computes_the_reference(plans: dict) -> None:
+    spec, first = _strided_case()
+    rowwise_triton(spec, first)
+    spec, second = _strided_case()
+    got = rowwise_triton(spec, second)  # from the first call's plan
+    assert len(plans) == 1
+    ref = rowwise_reference(spec, second)
+    assert _bitwise(got["residual"], ref["residual"])
+    assert int(_ulps(got["out"], ref["out"]).max()) <= 2
+
+
+def test_a_new_shape_stride_or_dtype_gets_its_own_plan(plans: dict) -> None:
+    spec = RowwiseSpec("bfloat16", norm="rms", weight=True, residual=True,
+                       outputs=("out", "fp8_row"))
+    x, y, w = torch.randn(4, 32, dtype=BF), torch.randn(4, 32, dtype=BF), torch.randn(32)
+    wide = torch.randn(4, 64, dtype=BF)
+    calls = [
+        [x, y, w],
+        [x[:3], y[:3], w],  # fewer rows
+        [x, wide[:, :32], w],  # y with a row stride
+        [x, y, w.bfloat16()],  # the weight in the rows' dtype
+    ]
+    launches = [prepare_launch(spec, ins) for ins in calls]
+    assert len(plans) == len(calls)
+    for ins, launch in zip(calls, launches, strict=True):
+        want = rw._assemble(rw._plan(spec, ins), ins, None)
+        assert _facts(launch, ins) == _facts(want, ins)
+    assert launches[1].args[launches[1].kernel.arg_names.index("rows")] == 3
+    assert launches[2].args[launches[2].kernel.arg_names.index("stride_y")] == 64
+
+
+def test_bad_calls_raise_and_are_not_cached(plans: dict) -> None:
+    spec = RowwiseSpec("bfloat16", residual=True, gate=True, outputs=("out", "nvfp4"))
+    x = torch.randn(2, 3, 64, dtype=BF)
+    good = [x, torch.randn_like(x), torch.randn(2, 64, dtype=BF), torch.tensor([1.0])]
+    prepare_launch(spec, good)
+    bad = {
+        "gate is torch.float32": [*good[:2], torch.randn(2, 64), good[3]],
+        "do not divide": [*good[:2], torch.randn(4, 64, dtype=BF), good[3]],
+        "y has shape": [x, torch.randn(2, 3, 32, dtype=BF), *good[2:]],
+        "one fp32 value": [*good[:3], torch.tensor([1.0, 2.0])],
+        "takes 4 inputs": good[:3],
+    }
+    for reason, ins in bad.items():
+        for _ in range(2):
+            with pytest.raises(RowwiseError, match=reason):
+                prepare_launch(spec, ins)
+    assert len(plans) == 1
+
+
+def test_the_plan_cache_is_bounded(plans: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rw, "_MAX_PLANS", 2)
+    spec = RowwiseSpec("bfloat16")
+    calls = [[torch.randn(rows, 16, dtype=BF)] for rows in (1, 2, 3)]
+    for ins in calls:
+        prepare_launch(spec, ins)
+    assert list(plans) == [rw._plan_key(spec, ins) for ins in calls[1:]]  # the oldest went

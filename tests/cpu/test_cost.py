@@ -20,7 +20,15 @@ import kopt
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.cli import main
-from kopt.cost import H200, CostModel, DeviceModel, calibrate, count_graph, fit
+from kopt.cost import (
+    H200,
+    Calibration,
+    CostModel,
+    DeviceModel,
+    count_graph,
+    fit,
+    measure,
+)
 from kopt.cost.calibrate import nnls
 from kopt.cost.counts import OpCount
 from kopt.cost.symbolic import HP, S_IMG, S_TXT, WP, B, D, S, capture_stages, symbolic_pipeline
@@ -198,7 +206,7 @@ def test_fit_recovers_the_parameters_that_made_the_trace(device: str, llm) -> No
     cap, spec = llm
     cuda = device == "cuda"
     uniform = H200.with_(efficiency={}, fixed_us={}, kernels_per_op={})
-    probe = [(g, _synthetic(g, uniform, device)) for g in (cap.gm, spec.gm)]
+    probe = [(count_graph(g), _synthetic(g, uniform, device)) for g in (cap.gm, spec.gm)]
     samples = _samples(probe)
     roof = [uniform.roofline_ms(x.count.flops, x.count.bytes, x.count.dtype) for x in samples]
     group = _groups(samples, roof, 3)
@@ -211,10 +219,13 @@ def test_fit_recovers_the_parameters_that_made_the_trace(device: str, llm) -> No
         launch_us=5.5 if cuda else 0.0, view_us=1.7, fixed_us=fixed,
         kernel_us=2.5 if _varied(shared) else statistics.median(fixed.values()),
         efficiency={k: 0.3 + 0.05 * i for i, k in enumerate(keys)},
-        kernels_per_op={"aten::linear": 2.0} if cuda else {})
+        kernels_per_op={"aten::linear": 2.0} if cuda else {},
+        # kopt's row-wise op: a Python implementation and a Triton launcher on the host
+        host_us={"kopt::rowwise": 40.0} if cuda else {})
     pairs = [(g, _synthetic(g, truth, device)) for g in (cap.gm, spec.gm)]
     got = fit(pairs, base=uniform)
     assert got.launch_us == pytest.approx(truth.launch_us, abs=1e-6)
+    assert got.host_us == pytest.approx(truth.host_us)
     assert got.view_us == pytest.approx(1.7, rel=1e-6)
     assert got.kernels_per_op == truth.kernels_per_op
     kernels = [x.count for x in samples if x.count.kernel]
@@ -225,6 +236,32 @@ def test_fit_recovers_the_parameters_that_made_the_trace(device: str, llm) -> No
         assert got.efficiency_of(c) == pytest.approx(truth.efficiency_of(c), rel=1e-6), c.op
     assert got.asynchronous == cuda
     assert "median relative error per node 0%" in got.source
+
+
+def test_host_times_are_scaled_to_the_measured_wall_times(llm) -> None:  # noqa: ANN001
+    """CUDA, host-bound: the profiler records every op's host time 1.6x too long; the wall
+    times of two graphs (the ops' true host times plus a per-node cost) give the scale and the
+    per-node cost back, and the fitted model predicts both walls."""
+    from kopt.cost.calibrate import _fit_walls
+
+    cap, spec = llm
+    truth = H200.with_(launch_us=6.0, view_us=1.0, host_us={"kopt::rowwise": 30.0},
+                       node_us=2.0, kernel_us=0.0, fixed_us={}, efficiency={})
+    profiled = truth.with_(launch_us=9.6, view_us=1.6, host_us={"kopt::rowwise": 48.0},
+                           node_us=0.0)
+    graphs = [count_graph(cap.gm), count_graph(spec.gm)]
+    walls = [truth.predict(g).host_ms for g in graphs]
+    assert all(w > truth.predict(g).device_ms for g, w in zip(graphs, walls, strict=True))
+    got, note = _fit_walls(profiled, graphs, walls)
+    assert got.launch_us == pytest.approx(6.0, rel=1e-6)
+    assert got.host_us["kopt::rowwise"] == pytest.approx(30.0, rel=1e-6)
+    assert got.node_us == pytest.approx(2.0, rel=1e-6)
+    assert "x 0.62 to 2 measured wall times" in note
+    for g, w in zip(graphs, walls, strict=True):
+        assert got.predict(g).total_ms == pytest.approx(w, rel=1e-6)
+    # one host-bound graph: the per-node cost only, the profiled host times as they are
+    one, note = _fit_walls(profiled, graphs[:1], walls[:1])
+    assert one.launch_us == 9.6 and note == "" and one.node_us < 2.0
 
 
 def test_fit_groups_ops_only_where_sizes_tell_a_fixed_cost_from_a_rate() -> None:
@@ -259,7 +296,10 @@ def test_calibrate_fits_a_cpu_trace(one_thread, llm) -> None:  # noqa: ANN001
     rates measured, every parameter is positive, and the fitted model costs a graph at four
     times the tokens higher than at one (its counts, not its fit, say so)."""
     cap, spec = llm
-    model = calibrate([(cap.gm, cap.example_inputs), (spec.gm, cap.example_inputs)], iters=3)
+    cal = measure([(cap.gm, cap.example_inputs), (spec.gm, cap.example_inputs)], iters=3)
+    model = cal.fit()
+    # what the fit is made of, saved and fitted again elsewhere: the same model
+    assert Calibration.from_json(cal.to_json()).fit() == model
     assert not model.asynchronous and model.graph_launch_us is None
     assert model.peak_tflops["float32"] > 0 and model.bandwidth_gbs > 0
     assert model.fixed_us and all(v >= 0 for v in model.fixed_us.values())

@@ -24,6 +24,7 @@ import triton
 import kopt
 from kopt.codegen import gemm as G
 from kopt.kb import (
+    InvalidRecord,
     KnowledgeBase,
     KnowledgeBaseError,
     KnowledgeBaseWarning,
@@ -123,7 +124,7 @@ def test_migrations_to_current_keep_every_row(tmp_path: Path, start: int) -> Non
         if start == 1:  # v2 derived tags from v1's causes
             assert verdicts["fp8"].tags == ("slower-under-cuda-graphs",)
             assert verdicts["cse"].tags == ("numerics",)
-        assert kb.dead_end("fp8", H200, "W1") is not None
+        assert kb.dead_end("fp8", H200, "W1", cuda_graphs=True) is not None
         lid = kb.add_lesson("v3 lessons work on a migrated file", ["shape-regime"])
         assert [x.id for x in kb.lessons()] == [lid]
     raw = sqlite3.connect(path)
@@ -462,16 +463,18 @@ def test_dead_end_scope_and_who_lifts_it(kb: KnowledgeBase) -> None:
     kb.record_verdict("fp8", "dead_end", workload="W1", device=H200, origin="ablation",
                       cause="slower under CUDA graphs", tags=["slower-under-cuda-graphs"],
                       rewrite_uuid="u1")
-    why = skip_reason(kb, "fp8", "W1", H200, uuid="u1")
+    why = skip_reason(kb, "fp8", "W1", H200, uuid="u1", cuda_graphs=True)
     assert why is not None and "slower under CUDA graphs" in why and "ablation" in why
-    assert skip_reason(kb, "fp8", "W2", H200) is None  # another workload
-    assert skip_reason(kb, "fp8", "W1", "NVIDIA H100") is None  # another device
-    assert skip_reason(kb, "fp8", "W1", H200, uuid="u2") is None  # the pass changed since
+    assert skip_reason(kb, "fp8", "W1", H200, uuid="u1") is None  # eager: it does not lose
+    graphs = {"cuda_graphs": True}
+    assert skip_reason(kb, "fp8", "W2", H200, **graphs) is None  # another workload
+    assert skip_reason(kb, "fp8", "W1", "NVIDIA H100", **graphs) is None  # another device
+    assert skip_reason(kb, "fp8", "W1", H200, uuid="u2", **graphs) is None  # pass changed
     kb.record_verdict("fp8", "accepted", workload="W1", device=H200, origin="pipeline")
-    assert skip_reason(kb, "fp8", "W1", H200) is not None  # numerics passing lifts nothing
+    assert skip_reason(kb, "fp8", "W1", H200, **graphs) is not None  # numerics lift nothing
     kb.record_verdict("fp8", "accepted", workload="W1", device=H200, origin="human",
                       cause="fixed by the epilogue change")
-    assert skip_reason(kb, "fp8", "W1", H200) is None
+    assert skip_reason(kb, "fp8", "W1", H200, **graphs) is None
     kb.record_verdict("hoist", "dead_end", workload="*", device=H200, origin="human",
                       cause="regime: tokens >= 8192", tags=["shape-regime"])
     assert skip_reason(kb, "hoist", "anything", H200) is not None
@@ -508,6 +511,25 @@ def test_pipeline_skips_a_dead_end_and_retry_runs_it(kb: KnowledgeBase) -> None:
     assert any("retried (--retry)" in u for u in s3.used)
     with using(kb, device="another-device"):  # the dead end was recorded for this device only
         assert kopt.optimize(model, args).report.result("merge_projections").matched > 0
+
+
+def test_a_pass_slower_only_under_cuda_graphs_is_skipped_only_there(kb: KnowledgeBase) -> None:
+    """An ablation found hoist 2.7 ms slower per call replayed from a CUDA graph but 106 ms
+    faster eager on W1: its dead end must not cost the eager runs their gain."""
+    model, args = QKV().eval(), (torch.randn(2, 37),)
+    with using(kb) as s:
+        assert kopt.optimize(model, args).report.result("merge_projections").matched > 0
+    kb.record_verdict("merge_projections", "dead_end", workload=s.last_workload,
+                      device=s.last_device, origin="ablation", tags=["slower-under-cuda-graphs"],
+                      cause="measured by ablation: 2.7 ms per call slower CUDA graph")
+    assert kb.dead_end("merge_projections", s.last_device, s.last_workload) is None
+    assert kb.dead_end("merge_projections", s.last_device, s.last_workload,
+                       cuda_graphs=True) is not None
+    with using(kb):
+        eager = kopt.optimize(model, args).report.result("merge_projections")
+        graphed = kopt.optimize(model, args, cuda_graphs=True).report.result("merge_projections")
+    assert eager.matched > 0
+    assert graphed.matched == 0 and any("slower CUDA graph" in n for n in graphed.notes)
 
 
 # -- export and CLI ---------------------------------------------------------------------------
@@ -644,7 +666,9 @@ def test_an_ablation_files_savings_and_the_passes_that_lose_as_dead_ends(
     graphed = _ablation({"baseline": (130.0, 120.0), "all": (100.0, 90.0),
                          "all - cse": (101.0, 89.0)})
     record_ablation(kb, graphed, "W2", H200)
-    assert kb.dead_end("cse", H200, "W2").tags == ("slower-under-cuda-graphs",)
+    assert kb.dead_end("cse", H200, "W2") is None  # eager runs keep it
+    assert kb.dead_end("cse", H200, "W2", cuda_graphs=True).tags == (
+        "slower-under-cuda-graphs",)
 
 
 def test_cli_ablate_files_dead_ends_that_optimize_then_skips(tmp_path: Path, capsys,  # noqa: ANN001
@@ -673,3 +697,44 @@ def test_cli_ablate_files_dead_ends_that_optimize_then_skips(tmp_path: Path, cap
     assert main(["optimize", "-q", "--model", "llm-tiny", "--kb", path]) == 0
     out = capsys.readouterr().out
     assert "cse skipped: a dead end" in out and "measured by ablation (leave-one-out)" in out
+
+
+# -- merging another file ---------------------------------------------------------------------
+
+def test_merge_copies_what_is_missing_once_and_refuses_tampered_rows(
+        kb: KnowledgeBase, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _record(kb, 0.50)  # the same config both files have: kept once
+    with KnowledgeBase.open(tmp_path / "other.sqlite") as other:
+        _populate(other)  # kernel + micro measurement, dead end, rejection, e2e, lesson
+        _record(other, 0.47, BLOCK_N=128)
+        other_path = other.path
+    db = sqlite3.connect(other_path)  # a tampered row: copied never, counted
+    db.execute("INSERT INTO kernels (template, source_hash, config, bucket, dtype, device, "
+               "torch_version, triton_version, created_at) VALUES ('gemm_fp8', 'h', "
+               "'{\"BLOCK_M\": \"__import__(1)\"}', 'b', 'd', 'dev', 't', 't', 0)")
+    db.commit()
+    db.close()
+    with KnowledgeBase.open(other_path) as other:
+        result = kb.merge(other)
+        assert result.added == {"kernels": 1, "measurements": 3, "verdicts": 2, "lessons": 1}
+        assert result.skipped == {"kernel configs that fail validation": 1}
+        assert kb.merge(other).added == dict.fromkeys(result.added, 0)  # idempotent
+        with pytest.raises(InvalidRecord, match="into itself"):
+            kb.merge(kb)
+    assert len(kb.kernels()) == 2 and all(k.config is not None for k in kb.kernels())
+    # the measurements point at this file's kernel ids; the best of the shared config is the
+    # faster of the two files' timings
+    best = kb.best_config("gemm_fp8", BUCKET, H200, dtype="float8_e4m3fn/bfloat16")
+    assert best is not None and best.best_ms == pytest.approx(0.42)
+    dead = kb.dead_end("fp8", H200, "W1", cuda_graphs=True)
+    assert dead is not None and dead.tags == ("slower-under-cuda-graphs",)
+    assert kb.lessons()[0].tags == ("slower-under-cuda-graphs",)
+    # the CLI, on a third file
+    third = tmp_path / "third.sqlite"
+    KnowledgeBase.open(third).close()
+    assert kb_cli.run(_cli("merge", str(other_path), "--kb", str(third))) == 0
+    out = capsys.readouterr().out
+    assert "added 2 kernels, 3 measurements, 2 verdicts, 1 lessons" in out
+    assert "left out 1 kernel configs that fail validation" in out
+    assert kb_cli.run(_cli("merge", str(tmp_path / "missing.sqlite"), "--kb", str(third))) == 2
+    assert "no knowledge base at" in capsys.readouterr().err

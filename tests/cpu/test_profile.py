@@ -5,6 +5,7 @@ writes a trace Perfetto can open."""
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,7 +14,7 @@ import kopt
 from kopt.capture import flatten_inputs
 from kopt.cli import main
 from kopt.models import build
-from kopt.profile import profile_graph
+from kopt.profile import Attribution, host_times, profile_graph
 
 
 def test_every_op_is_attributed_to_a_node_and_flops_add_up() -> None:
@@ -97,3 +98,28 @@ def test_categories_split_the_call_and_add_up_to_the_wall_time() -> None:
     assert all(0 < c.min_ms <= c.ms + 1e-12 and c.host_ms == c.ms for c in timed)
     text = a.format(5)
     assert all(name in text for name in (*CATEGORIES, GAPS))
+
+
+def _slow(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.003)  # 3 ms of host time, no device work
+    return x + 1
+
+
+torch.fx.wrap("_slow")
+
+
+def test_host_times_per_node_without_the_profiler() -> None:
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _slow(x * 2).sum()
+
+    gm = torch.fx.symbolic_trace(M())
+    times = host_times(gm, [torch.randn(8)], iters=3)
+    names = {n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    assert set(times) == names and all(t >= 0 for t in times.values())
+    assert 3.0 <= times["_slow"] < 50.0
+    assert all(t < 1.0 for name, t in times.items() if name != "_slow")
+    # an attribution saved and read back is the same
+    a = profile_graph(gm, [torch.randn(8)], iters=1)
+    b = Attribution.from_json(a.to_json())
+    assert b.nodes == a.nodes and b.total_ms == a.total_ms and b.category_ms == a.category_ms
