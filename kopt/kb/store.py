@@ -742,8 +742,9 @@ class KnowledgeBase:
                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
                 added["measurements"] += 1
             for (_, *row), tags in verdicts:
-                if row[3] not in VERDICTS or row[6] not in ORIGINS or set(tags) - set(TAGS) \
-                        or (row[3] == "dead_end" and row[6] == "pipeline"):
+                _, _, _, verdict, _, _, origin, _, _ = row  # the columns selected above
+                if verdict not in VERDICTS or origin not in ORIGINS or set(tags) - set(TAGS) \
+                        or (verdict == "dead_end" and origin == "pipeline"):
                     skip("invalid verdicts")
                     continue
                 same = db.execute(
@@ -759,7 +760,8 @@ class KnowledgeBase:
                                [(vid, t) for t in tags])
                 added["verdicts"] += 1
             for (_, *row), tags in lessons:
-                if set(tags) - set(TAGS) or not str(row[0]).strip():
+                text, *_ = row
+                if set(tags) - set(TAGS) or not str(text).strip():
                     skip("invalid lessons")
                     continue
                 same = db.execute("SELECT id FROM lessons WHERE text = ? AND rewrite IS ? AND "
