@@ -256,3 +256,33 @@ def test_aten_rms_norm_applies_its_weight_before_rounding() -> None:
     d_before = _report("aten.rms_norm vs weight in fp32", before, eager)
     d_after = _report("aten.rms_norm vs weight after rounding", after, eager)
     assert int(_ulps(before, eager).max()) <= 1 and d_before < d_after
+
+
+def test_cached_launch_plans_give_each_call_its_own_result(monkeypatch) -> None:  # noqa: ANN001
+    """The launch plan is cached per (spec, shapes, strides, dtypes): a second call of the same
+    key on other data, and a strided input the plan copies, compute what a fresh plan does."""
+    import kopt.codegen.rowwise as rw
+
+    monkeypatch.setattr(rw, "_PLANS", {})
+    spec = NORM_SPECS["layernorm+adaln+fp8"]
+    first = _inputs(spec, 1, 4224, 3072)
+    second = {**first, "x": first["x"].flip(1).contiguous()}  # same key, other data
+    names = spec.input_names()
+    got = [rowwise_triton(spec, [ins[n] for n in names]) for ins in (first, second, first)]
+    assert len(rw._PLANS) == 1
+    for ins, out in zip((first, second, first), got, strict=True):
+        rw._PLANS.clear()
+        fresh = rowwise_triton(spec, [ins[n] for n in names])
+        assert all(_bitwise(fresh[n], out[n]) for n in fresh)
+    assert not all(_bitwise(got[0][n], got[1][n]) for n in got[0])
+    # x a strided view of a wider buffer, changed in place between calls
+    wide = torch.randn(4224, 2 * 3072, device="cuda", dtype=BF)
+    strided = {**first, "x": wide[:, :3072].unsqueeze(0)}
+    twice = [rowwise_triton(spec, [strided[n] for n in names]) for _ in range(2)]
+    wide[:, :3072].add_(torch.randn_like(wide[:, :3072]))  # the next call reads new values
+    third = rowwise_triton(spec, [strided[n] for n in names])
+    rw._PLANS.clear()
+    fresh = rowwise_triton(spec, [strided[n] for n in names])
+    assert all(_bitwise(twice[0][n], twice[1][n]) for n in fresh)
+    assert all(_bitwise(fresh[n], third[n]) for n in fresh)
+    assert not all(_bitwise(twice[0][n], third[n]) for n in fresh)
