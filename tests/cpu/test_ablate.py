@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kopt.ablate import KINDS, RowLog, ablate, load_rows, repredict, spearman, step_inputs, variants
-from kopt.capture import flatten_inputs
+from kopt.api import optimize_captured
+from kopt.capture import capture_module, flatten_inputs
 from kopt.cli import main
 from kopt.cost import H200, CostModel
 from kopt.kb import KnowledgeBase
@@ -230,3 +231,21 @@ def test_benchmark_replays_a_cpu_run_from_its_saved_rows_and_calibration(tmp_pat
         filed = {m.rewrite for m in kb.measurements() if m.kind == "e2e"}
     workload = json.loads((tmp_path / "run" / "run.json").read_text())["workload"]
     assert filed == {"cse", "rowwise_fusion"} and workload.startswith("graph-")
+
+
+def test_rank_shapes_predicts_on_the_meta_device_and_the_ranking_moves_with_the_shape() -> None:
+    from benchmarks.rank_shapes import predicted_loo
+
+    config = PassConfig().replace(fuse_allreduce_norm=False,
+                                  fp8=FP8Config(layout="rowwise", min_features=16))
+    got = {mode: predicted_loo("llm-tiny", torch.bfloat16, {"mode": mode}, config, H200)
+           for mode in ("prefill", "decode")}
+    for r in got.values():
+        assert r["all_ms"]["graph"] > 0 and r["all_ms"]["eager"] >= r["all_ms"]["graph"]
+        assert {"fp8", "merge_projections", "rowwise_fusion"} <= set(r["saved"])
+    # shapes only: the meta device's graph costs what the same model's graph on the CPU does
+    w = build("llm-tiny", dtype=torch.bfloat16, mode="decode")
+    cap = capture_module(w.model, w.args, w.kwargs)
+    spec = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0)
+    on_cpu = CostModel(H200, cuda_graphs=True, calls_per_step=w.calls_per_step).graph(spec.gm)
+    assert got["decode"]["all_ms"]["graph"] == pytest.approx(on_cpu.total_ms, rel=1e-9)
