@@ -173,20 +173,36 @@ def count_node(node: fx.Node, info: InfoOf = meta_info, cached: str | None = Non
     dtype = ""
     moved: Any = 0
     if not view:
+        # an op that writes into its first argument (copy_, index_copy_) reads what it writes
+        # from the others and touches only that much of the target: not the whole of it twice
+        into = _writes_first_argument(node)
         seen: set[fx.Node] = set()
-        for a in node.all_input_nodes:
+        for i, a in enumerate(node.all_input_nodes):
             if a in seen:
                 continue
             seen.add(a)
             for t in _leaves(info(a)):
-                moved = moved + t.nbytes
+                if into and i == 0:
+                    continue
+                moved = moved + (2 if into else 1) * t.nbytes
                 if not dtype and t.dtype.is_floating_point:
                     dtype = str(t.dtype).removeprefix("torch.")
-        for t in _leaves(info(node)):
-            moved = moved + t.nbytes
+        if not into:
+            for t in _leaves(info(node)):
+                moved = moved + t.nbytes
     return OpCount(name or node.name, qualified, op_category(qualified), dtype,
                    0 if view else count_flops(node, info), moved, not view, cached,
                    isinstance(node.target, torch._ops.OpOverload))
+
+
+def _writes_first_argument(node: fx.Node) -> bool:
+    """An aten op that mutates its first argument in place and returns it."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    alias = target._schema.arguments[0].alias_info
+    return alias is not None and alias.is_write and isinstance(node.args[0], fx.Node) \
+        and node.all_input_nodes[:1] == [node.args[0]]
 
 
 def region_kind(gm: fx.GraphModule, node: fx.Node) -> str:

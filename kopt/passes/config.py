@@ -34,6 +34,10 @@ class PassConfig:
     remove_noops: bool = True
     """Drop copies a functional graph has and eager mode does not (eval-mode dropout)."""
 
+    reinplace: bool = True
+    """A KV-cache update the capture made functional (a new cache, copied back into the
+    buffer) writes into the buffer again, as eager mode does."""
+
     cse: bool = True
     """Common-subexpression elimination: one node per distinct pure computation."""
 

@@ -25,7 +25,7 @@ from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
 from kopt.passes.hoist import HoistInvariants, cached_regions
-from kopt.passes.noop import RemoveNoOps
+from kopt.passes.noop import ReinplaceCacheUpdates, RemoveNoOps
 from kopt.patterns.act_quant import ACT, ACT_QUANT
 from kopt.patterns.bias import ABSORB_BIAS
 from kopt.patterns.collectives import ALLREDUCE_NORM_FUSIONS
@@ -44,6 +44,7 @@ log = logging.getLogger("kopt")
 # (PassConfig field, factory of the pass from the config) in pipeline order.
 PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("remove_noops", lambda c: RemoveNoOps()),
+    ("reinplace", lambda c: ReinplaceCacheUpdates()),
     ("cse", lambda c: EliminateCommonSubexpressions()),  # exposes shared inputs to the merge
     ("merge_projections", lambda c: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
     ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV

@@ -44,7 +44,8 @@ _LAYOUT = (aten.permute.default, aten.transpose.int, aten.view.default, aten.res
            aten._unsafe_view.default, aten.clone.default, aten.expand.default,
            aten.unsqueeze.default)
 # A KV cache write: the new keys reach attention through the cache (LLM decode).
-_CACHE_WRITES = {aten.index_copy.default: 3, aten.slice_scatter.default: 1}
+_CACHE_WRITES = {aten.index_copy.default: 3, aten.index_copy_.default: 3,
+                 aten.slice_scatter.default: 1}
 _CASTS = (aten._to_copy.default, aten.type_as.default)
 _VIEWS = (aten.view.default, aten.reshape.default)
 

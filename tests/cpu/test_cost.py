@@ -409,3 +409,29 @@ def test_cli_rank_with_the_shipped_h200_model(capsys) -> None:  # noqa: ANN001
     text = capsys.readouterr().out
     assert "ranking (NVIDIA H200, CUDA graph)" in text
     assert "device model: NVIDIA H200" in text
+
+
+def test_an_inplace_cache_write_moves_the_written_bytes_not_the_cache() -> None:
+    """index_copy_ into a KV cache reads and writes the new tokens; the functional index_copy
+    writes a whole new cache, and copy_ moves all of it back."""
+    from torch import fx
+
+    from kopt.cost.counts import count_node
+
+    g = fx.Graph()
+    cache, pos, new = (g.placeholder(n) for n in ("cache", "pos", "new"))
+    vals = {cache: torch.empty(64, 8, 640, 128, dtype=torch.bfloat16, device="meta"),
+            pos: torch.empty(1, dtype=torch.long, device="meta"),
+            new: torch.empty(64, 8, 1, 128, dtype=torch.bfloat16, device="meta")}
+    for n, v in vals.items():
+        n.meta["val"] = v
+    aten = torch.ops.aten
+    inplace = g.call_function(aten.index_copy_.default, (cache, 2, pos, new))
+    functional = g.call_function(aten.index_copy.default, (cache, 2, pos, new))
+    back = g.call_function(aten.copy_.default, (cache, functional))
+    for n in (inplace, functional, back):
+        n.meta["val"] = vals[cache]
+    full, token = vals[cache].nbytes, vals[new].nbytes
+    assert count_node(inplace).bytes == 2 * (token + 8)
+    assert count_node(functional).bytes == 2 * full + token + 8
+    assert count_node(back).bytes == 2 * full

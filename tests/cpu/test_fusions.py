@@ -97,14 +97,17 @@ def test_qk_norm_rope_fires_on_the_reference_models(name: str, dtype: torch.dtyp
 
 def test_qk_norm_rope_fires_in_llm_decode_through_the_kv_cache() -> None:
     # decode: the new token's k reaches attention through index_copy into the static cache
-    w = build("llm-tiny", dtype=torch.bfloat16, mode="decode", batch=3)
-    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8.replace(fp8=None),
-                        verify=VerifyOptions(enabled=False))
-    gm, inputs = opt.graph_module, tuple(flatten_inputs(w.args, w.kwargs)[0])
-    assert _count(gm, aten.index_copy.default) == 4
-    after, result = _rewrite(gm, QK_NORM_ROPE)
-    assert result.matched == 2 and _count(after, aten.index_copy.default) == 4
-    _verifies(gm, after, inputs, QK_NORM_ROPE)
+    # (the capture's functional index_copy, or the buffer's own index_copy_ after reinplace)
+    for reinplace, write in ((False, aten.index_copy.default), (True, aten.index_copy_.default)):
+        w = build("llm-tiny", dtype=torch.bfloat16, mode="decode", batch=3)
+        opt = kopt.optimize(w.model, w.args, w.kwargs,
+                            FP8.replace(fp8=None, reinplace=reinplace),
+                            verify=VerifyOptions(enabled=False))
+        gm, inputs = opt.graph_module, tuple(flatten_inputs(w.args, w.kwargs)[0])
+        assert _count(gm, write) == 4
+        after, result = _rewrite(gm, QK_NORM_ROPE)
+        assert result.matched == 2 and _count(after, write) == 4
+        _verifies(gm, after, inputs, QK_NORM_ROPE)
 
 
 def test_qk_norm_rope_leaves_attention_without_norm_or_rope_alone() -> None:
