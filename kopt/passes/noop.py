@@ -12,6 +12,7 @@ feed-forward outputs cost 3.6 ms per forward on an H200 (benchmarks/RESULTS.md).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import fx
@@ -60,28 +61,44 @@ def noop_input(node: fx.Node) -> fx.Node | str | None:
     return src
 
 
-class RemoveNoOps(Pass):
-    name = "remove_noops"
-    numerics = exact("a copy of a value is the value")
+class _NodeSitePass(Pass):
+    """A pass whose sites are single nodes: ``find`` says what a node is (None: not a site, a
+    string: why it is not rewritten), ``apply`` rewrites it."""
+
+    def find(self, node: fx.Node) -> Any:
+        raise NotImplementedError
+
+    def apply(self, gm: fx.GraphModule, node: fx.Node, found: Any) -> None:
+        raise NotImplementedError
 
     def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
         t0 = time.perf_counter()
         before = count_nodes(gm)
-        removed: list[str] = []
+        done: list[str] = []
         rejected: dict[str, int] = {}
         for node in list(gm.graph.nodes):
-            found = noop_input(node)
+            found = self.find(node)
             if found is None or (sites is not None and node.name not in sites):
                 continue
             if isinstance(found, str):
                 rejected[found] = rejected.get(found, 0) + 1
                 continue
-            node.replace_all_uses_with(found)
-            removed.append(node.name)
+            self.apply(gm, node, found)
+            done.append(node.name)
         eliminate_dead(gm)
-        return PassResult(self.name, len(removed), rejected, before, count_nodes(gm),
-                          time.perf_counter() - t0, sites=tuple(removed))
+        return PassResult(self.name, len(done), rejected, before, count_nodes(gm),
+                          time.perf_counter() - t0, sites=tuple(done))
 
+
+class RemoveNoOps(_NodeSitePass):
+    name = "remove_noops"
+    numerics = exact("a copy of a value is the value")
+
+    def find(self, node: fx.Node) -> fx.Node | str | None:
+        return noop_input(node)
+
+    def apply(self, gm: fx.GraphModule, node: fx.Node, found: fx.Node) -> None:
+        node.replace_all_uses_with(found)
 
 def reinplace_site(node: fx.Node) -> tuple[fx.Node, fx.Node] | str | None:
     """(buffer, the copy back into it) when ``node`` is a functional cache update that can run
@@ -102,7 +119,7 @@ def reinplace_site(node: fx.Node) -> tuple[fx.Node, fx.Node] | str | None:
     return buf, back[0]
 
 
-class ReinplaceCacheUpdates(Pass):
+class ReinplaceCacheUpdates(_NodeSitePass):
     """Write a cache update into its buffer instead of into a new tensor copied back::
 
         # copy_(cache, index_copy(cache, d, i, v)) -> index_copy_(cache, d, i, v)
@@ -117,27 +134,15 @@ class ReinplaceCacheUpdates(Pass):
     name = "reinplace"
     numerics = exact("the same values written into the same buffer")
 
-    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
-        t0 = time.perf_counter()
-        before = count_nodes(gm)
-        done: list[str] = []
-        rejected: dict[str, int] = {}
-        for node in list(gm.graph.nodes):
-            found = reinplace_site(node)
-            if found is None or (sites is not None and node.name not in sites):
-                continue
-            if isinstance(found, str):
-                rejected[found] = rejected.get(found, 0) + 1
-                continue
-            buf, back = found
-            with gm.graph.inserting_before(node):
-                inplace = gm.graph.call_function(aten.index_copy_.default, node.args,
-                                                 dict(node.kwargs))
-            inplace.meta = dict(node.meta)
-            gm.graph.erase_node(back)
-            node.replace_all_uses_with(inplace)
-            gm.graph.erase_node(node)
-            done.append(node.name)
-        eliminate_dead(gm)
-        return PassResult(self.name, len(done), rejected, before, count_nodes(gm),
-                          time.perf_counter() - t0, sites=tuple(done))
+    def find(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | str | None:
+        return reinplace_site(node)
+
+    def apply(self, gm: fx.GraphModule, node: fx.Node, found: tuple[fx.Node, fx.Node]) -> None:
+        _, back = found
+        with gm.graph.inserting_before(node):
+            inplace = gm.graph.call_function(aten.index_copy_.default, node.args,
+                                             dict(node.kwargs))
+        inplace.meta = dict(node.meta)
+        gm.graph.erase_node(back)
+        node.replace_all_uses_with(inplace)
+        gm.graph.erase_node(node)
