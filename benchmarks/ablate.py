@@ -39,13 +39,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kopt.ablate import KINDS, Ablation, RowLog, ablate, load_rows, repredict, spearman
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
+from kopt.cli import parse_shape
 from kopt.cost import H200, Calibration, CostModel, DeviceModel, known_device, measure
 from kopt.kb.verdicts import inputs_device, workload_key
 from kopt.models import build
@@ -85,14 +85,6 @@ def compare(result: Ablation) -> dict:
                 "of": len(rows),
                 "spearman": spearman(*zip(*both, strict=True)) if len(both) >= 2 else None,
             }
-    return out
-
-
-def parse_shape(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
     return out
 
 

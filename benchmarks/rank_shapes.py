@@ -25,20 +25,13 @@ import torch
 
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
+from kopt.cli import parse_shape
 from kopt.cost import CostModel, DeviceModel, count_graph
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
 from kopt.verify import VerifyOptions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def parse_at(text: str) -> dict[str, int | str]:
-    out: dict[str, int | str] = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
-    return out
 
 
 def predicted_loo(model: str, dtype: torch.dtype, shape: dict, config: PassConfig,
@@ -103,7 +96,8 @@ def main() -> None:
     results = {}
     for at in args.at:
         t0 = time.perf_counter()
-        results[at] = predicted_loo(args.model, DTYPES[args.dtype], parse_at(at), config, device)
+        shape = parse_shape(at.split(","))
+        results[at] = predicted_loo(args.model, DTYPES[args.dtype], shape, config, device)
         print(f"{at}: {time.perf_counter() - t0:.0f} s", flush=True)
     command = "python benchmarks/rank_shapes.py " + " ".join(sys.argv[1:])
     text = (f"`{command}`\n\nPredicted (not measured) ms per call each pass saves on top of "

@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_shape(items: Sequence[str]) -> dict[str, Any]:
+def parse_shape(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items (``--shape``) as workload keyword arguments, integers as ints."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -160,7 +161,7 @@ def _workload(args: argparse.Namespace, device: str | None = None):  # noqa: ANN
                          f"{', '.join(MODEL_NAMES)} or give module:function")
     try:
         return build(args.model, device=device or args.device, dtype=dtype, seed=args.seed,
-                     **_parse_shape(args.shape))
+                     **parse_shape(args.shape))
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
 
@@ -219,7 +220,7 @@ def _rank_at(args: argparse.Namespace, config: Any, cost: Any) -> dict[str, Any]
     pipelines: dict[bool, Any] = {}
     out = {}
     for spec in args.rank_at:
-        shape = {**_parse_shape(args.shape), **_parse_shape(spec.split(","))}
+        shape = {**parse_shape(args.shape), **parse_shape(spec.split(","))}
         try:
             values = workload_values(args.model, **shape)
         except (TypeError, ValueError) as exc:
