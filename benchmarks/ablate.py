@@ -26,6 +26,9 @@ machine, without the GPU:
 
     python benchmarks/ablate.py --replay DIR [--device-model fit|h200|PATH] [--out-dir OUT]
 
+``--profile-rows N`` also profiles every row (N calls): ``ablation.md`` then shows, per pass,
+the ops its saving is made of, predicted against measured kernel time -- where a miss comes from.
+
 ``--calibrate-only`` stops after the fit: a new calibration of the same workload, checked
 against an earlier run's rows with ``--replay OLD --device-model NEW/device_model.json``.
 """
@@ -42,7 +45,16 @@ from pathlib import Path
 
 import torch
 
-from kopt.ablate import KINDS, Ablation, RowLog, ablate, load_rows, repredict, spearman
+from kopt.ablate import (
+    KINDS,
+    Ablation,
+    RowLog,
+    ablate,
+    load_rows,
+    op_deltas,
+    repredict,
+    spearman,
+)
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.cli import parse_shape
@@ -97,11 +109,37 @@ def format_comparison(c: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(result: Ablation, out: Path, command: str, description: str) -> str:
+def format_op_deltas(result: Ablation, cost: CostModel, top: int = 6) -> str:
+    """Per pass whose rows were profiled: the ops its saving is made of, predicted vs
+    measured kernel time (where a miss comes from)."""
+    parts = []
+    for kind in ("leave-one-out", "alone"):
+        for r in (r for r in result.rows if r.kind == kind):
+            other = result.every_pass if kind == "leave-one-out" else result.baseline
+            if r.sites == other.sites:  # rewrote nothing here: the same graph
+                continue
+            try:
+                deltas = op_deltas(result, cost, r.subject, kind)
+            except (KeyError, ValueError):
+                continue
+            lines = [f"| {op} | {p:+.3f} | {m:+.3f} |" for op, p, m in deltas[:top]
+                     if abs(p) > 1e-3 or abs(m) > 1e-3]
+            parts.append(f"\n{r.variant} vs {'all' if kind == 'leave-one-out' else 'baseline'}:"
+                         "\n\n| op | predicted kernel ms | measured kernel ms |\n|---|---|---|\n"
+                         + "\n".join(lines) + "\n")
+    if not parts:
+        return ""
+    return ("\n### Kernel time by op (profiled rows, eager, hoisted regions hit)\n"
+            + "".join(parts))
+
+
+def write(result: Ablation, out: Path, command: str, description: str,
+          cost: CostModel | None = None) -> str:
     """ablation.md, ablation.json, comparison.json and waterfall.png; returns the Markdown."""
     comparison = compare(result)
     text = (f"`{command}`: {description}\n\n" + result.markdown() + "\n"
-            + format_comparison(comparison))
+            + format_comparison(comparison)
+            + (format_op_deltas(result, cost) if cost is not None else ""))
     (out / "ablation.md").write_text(text)
     (out / "ablation.json").write_text(result.to_json())
     (out / "comparison.json").write_text(json.dumps({"command": command, **comparison},
@@ -132,10 +170,11 @@ def replay(args: argparse.Namespace) -> None:
         device = DeviceModel.load(args.device_model)
     device.save(out / "device_model.json")
     print(f"device model: {device.describe()}")
-    result = repredict(result, CostModel(device, calls_per_step=result.calls_per_step))
+    cost = CostModel(device, calls_per_step=result.calls_per_step)
+    result = repredict(result, cost)
     command = "python benchmarks/ablate.py " + " ".join(sys.argv[1:])
     print(write(result, out, command, f"{result.model}, {len(result.rows)} rows of {src} "
-                "predicted again"))
+                "predicted again", cost))
     if args.kb:
         if "workload" not in run:
             sys.exit(f"--kb: {src}/run.json does not name the workload")
@@ -169,6 +208,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1, help="verification seeds (0: none)")
     p.add_argument("--device-model", default="fit", metavar="fit|h200|PATH")
     p.add_argument("--profile-iters", type=int, default=3)
+    p.add_argument("--profile-rows", type=int, default=0, metavar="N",
+                   help="also profile every row over N calls: its kernel time by op, held "
+                   "against the predicted per pass in ablation.md (where a miss comes from)")
     p.add_argument("--out-dir", help="where the results go (required unless --replay)")
     p.add_argument("--calibrate-only", action="store_true", help="stop after the fit "
                    "(calibration.json.gz, device_model.json): check it with --replay on the rows "
@@ -223,15 +265,16 @@ def main() -> None:
         print(f"written to {out}/")
         return
 
+    cost = CostModel(device, calls_per_step=w.calls_per_step)
     result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
-                    cost=CostModel(device, calls_per_step=w.calls_per_step), iters=args.iters,
+                    cost=cost, iters=args.iters, profile_rows=args.profile_rows,
                     warmup=args.warmup, captured=cap,
                     verify=VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(args.seeds))),
                     progress=lambda s: print(s, flush=True),
                     on_row=RowLog(out / "rows.jsonl.gz"))
     result.device = name
     command = "python benchmarks/ablate.py " + " ".join(sys.argv[1:])
-    text = write(result, out, command, w.description)
+    text = write(result, out, command, w.description, cost)
     if args.kb:
         record(args.kb, result, run["workload"], run["device"])
     print(text)

@@ -46,6 +46,7 @@ from kopt.cost import CostModel, OpCount, Ranking, count_graph
 from kopt.cudagraphs import CudaGraphRunner
 from kopt.models import Workload
 from kopt.passes import PassConfig
+from kopt.profile import profile_graph
 from kopt.verify import VerifyOptions, relative_error
 
 log = logging.getLogger("kopt")
@@ -80,6 +81,9 @@ class Row:
     error: float | None  # relative error of the main output against the baseline's
     # the optimized graph's counts (what the predictions are made from; not in to_json)
     counts: tuple[OpCount, ...] | None = field(default=None, compare=False, repr=False)
+    # measured kernel time (CUDA; op time on a CPU) per call by op, from a profile of the
+    # variant's eager call with the hoisted regions hit (``ablate(profile_rows=N)``)
+    op_ms: dict[str, float] | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "counts"}
@@ -342,12 +346,15 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
            warmup: int = 3, verify: VerifyOptions = VerifyOptions(),
            captured: Captured | None = None,
            progress: Callable[[str], None] = log.info,
-           on_row: Callable[[Ablation, Row], None] | None = None) -> Ablation:
+           on_row: Callable[[Ablation, Row], None] | None = None,
+           profile_rows: int = 0) -> Ablation:
     """Ablate the passes ``config`` enables (or only ``passes`` of them) on workload ``w``.
 
     ``cost``: ranks the passes (the cumulative order) and predicts each row; without it the
     order is the pipeline's. ``captured``: reuse a capture of ``w``. ``on_row``: called with
-    each row as it is measured (to save rows of a run that may not finish).
+    each row as it is measured (to save rows of a run that may not finish). ``profile_rows``:
+    also profile each variant over that many calls, for its kernel time by op (``Row.op_ms``:
+    where a prediction and a measurement part, :func:`op_deltas` says which ops).
     """
     context: tuple[str, ...] = ()
     if passes is not None:
@@ -387,7 +394,8 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
             if on_row is not None:
                 on_row(result, result.rows[-1])
             continue
-        row = _measure(v, w, cap, verify, cost, reference, inputs, iters, warmup)
+        row = _measure(v, w, cap, verify, cost, reference, inputs, iters, warmup,
+                       profile_rows)
         measured[v.config] = row
         result.rows.append(row)
         if on_row is not None:
@@ -408,8 +416,9 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
 
 def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
              cost: CostModel | None, reference: torch.Tensor, inputs: list[list[Any]],
-             iters: int, warmup: int) -> Row:
-    """Optimize the capture with the variant's config (verified), time it, predict it."""
+             iters: int, warmup: int, profile_rows: int = 0) -> Row:
+    """Optimize the capture with the variant's config (verified), time it, predict it (and
+    with ``profile_rows``, profile it: its kernel time by op)."""
     spec = optimize_captured(cap, v.config, verify, None, f"{w.name} [{v.name}]", 0.0)
     gm, calls = spec.gm, w.calls_per_step
     device = reference.device
@@ -433,8 +442,16 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     verified, verdict = _verdict(spec.report, verify)
     if graph_error:
         verdict = f"{verdict}; {graph_error}"
+    op_ms = None
+    if profile_rows > 0:
+        op_ms = {}
+        op_of = {c.node: c.op for c in counts}  # the counts' names (aten::mul)
+        for n in profile_graph(gm, cap.example_inputs, iters=profile_rows).nodes.values():
+            if "/" not in n.name and n.ms > 0:  # top level: a hit region runs nothing
+                op = op_of.get(n.name, n.op)
+                op_ms[op] = op_ms.get(op, 0.0) + n.ms
     return Row(v.name, v.kind, v.subject, v.passes, ms, graph_ms, predicted, predicted_graph,
-               spec.report.applied, verified, verdict, error, counts)
+               spec.report.applied, verified, verdict, error, counts, op_ms)
 
 
 def _predict(cost: CostModel | None, counts: Sequence[OpCount],
@@ -445,6 +462,36 @@ def _predict(cost: CostModel | None, counts: Sequence[OpCount],
     eager = dataclasses.replace(cost, cuda_graphs=False).predict(counts).total_ms
     graph = dataclasses.replace(cost, cuda_graphs=True).predict(counts).total_ms if cuda else None
     return eager, graph
+
+
+def op_deltas(result: Ablation, cost: CostModel, subject: str,
+              kind: str = "leave-one-out") -> list[tuple[str, float, float]]:
+    """Where a pass's saving comes from, by op: (op, predicted, measured) kernel ms per call
+    that the row without the pass (``leave-one-out``; the pass alone: ``alone``) spends on
+    top of the row with it, largest measured first. The measured side is the rows' profiles
+    (``Row.op_ms``), the predicted side the device model's kernel times of their counts (the
+    hoisted regions left out, as they hit in the profiled calls)."""
+    if kind == "leave-one-out":
+        without, with_ = result.row(f"all - {subject}"), result.every_pass
+    else:
+        without, with_ = result.baseline, result.row(f"{subject} alone")
+    if without.op_ms is None or with_.op_ms is None:
+        raise ValueError(f"the rows of {subject!r} were not profiled (profile_rows)")
+    if without.counts is None or with_.counts is None:
+        raise ValueError(f"the rows of {subject!r} have no counts to predict from")
+
+    def predicted(r: Row) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in r.counts or ():
+            if c.kernel and c.cached is None and "/" not in c.node:
+                out[c.op] = out.get(c.op, 0.0) + cost.device.kernel_ms(c)
+        return out
+
+    pa, pb = predicted(without), predicted(with_)
+    ops = set(pa) | set(pb) | set(without.op_ms) | set(with_.op_ms)
+    rows = [(op, pa.get(op, 0.0) - pb.get(op, 0.0),
+             without.op_ms.get(op, 0.0) - with_.op_ms.get(op, 0.0)) for op in ops]
+    return sorted(rows, key=lambda x: -abs(x[2]))
 
 
 def repredict(result: Ablation, cost: CostModel) -> Ablation:

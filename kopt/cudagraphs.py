@@ -10,10 +10,11 @@ modulation for every later timestep. So the graph is split:
     body(inputs, region outputs) -> outputs          (captured once, replayed)
 
 Each call copies the inputs into the captured input buffers (skipped for a tensor that already is
-one), copies region outputs only when the region returned different tensors than last time (a
-miss: a new timestep), replays, and returns clones of the outputs (so a caller that keeps the
-cond output while running the uncond call, as a CFG loop does, is not handed a buffer the next
-replay overwrites; ``clone_outputs=False`` skips that copy for callers that consume at once).
+one) and the region outputs when the region returned different tensors than last time (a miss:
+a new timestep), all in a few multi-tensor launches (:func:`copy_all`); then it replays, and
+returns clones of the outputs (so a caller that keeps the cond output while running the uncond
+call, as a CFG loop does, is not handed a buffer the next replay overwrites;
+``clone_outputs=False`` skips that copy for callers that consume at once).
 """
 
 from __future__ import annotations
@@ -119,18 +120,44 @@ class CudaGraphRunner:
             1 for n in self.prelude.graph.nodes if n.op == "placeholder")
 
     def _copy_in(self, flat: tuple[Any, ...], regions: tuple[Any, ...]) -> None:
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for i, a in enumerate(flat):
             held = self._static[i]
             if isinstance(a, torch.Tensor) and a is not held:
-                held.copy_(a)
+                dst.append(held)
+                src.append(a)
         n = len(flat)
         for j, (new, last) in enumerate(zip(regions, self._last_regions, strict=True)):
             if new is last:  # a hit returns the very tensors of the last call: nothing to copy
                 continue
-            for dst, src in zip(self._static[n + j], new, strict=True):
-                if isinstance(src, torch.Tensor):
-                    dst.copy_(src)
+            for d, t in zip(self._static[n + j], new, strict=True):
+                if isinstance(t, torch.Tensor):
+                    dst.append(d)
+                    src.append(t)
+        copy_all(dst, src)
         self._last_regions = regions
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for every pair, in a few multi-tensor launches: a miss of a hoisted
+    region hands the graph hundreds of modulation vectors (W1: 6 per stream per block), whose
+    copies one launch each would cost the host more than the region saves. Pairs of one device
+    and dtype go through ``torch._foreach_copy_``; others (a CPU scalar, a cast) one by one."""
+    groups: dict[tuple[torch.device, torch.dtype, torch.device, torch.dtype],
+                 tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src, strict=True):
+        if d.device == s.device and d.dtype == s.dtype:
+            ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
+            ds.append(d)
+            ss.append(s)
+        else:
+            d.copy_(s)
+    for ds, ss in groups.values():
+        if len(ds) == 1:
+            ds[0].copy_(ss[0])
+        else:
+            torch._foreach_copy_(ds, ss)
 
 
 def _clone_tuple(t: tuple) -> tuple:

@@ -12,12 +12,16 @@ view_us and the efficiencies. On CUDA the kernel durations give kernel_us and th
 the ops' CPU times give launch_us and view_us, and the kernels each op launched give
 ``kernels_per_op``.
 
-Solved by non-negative least squares on relative errors (each equation divided by its measured
-value), so a 5 us element-wise op weighs as much as a 5 ms GEMM and the fixed costs are set by
-the many small ops. The ops' own times miss what the host spends between them (the graph's
-Python): given each graph's measured wall time per call (:func:`calibrate` measures it), that
-is fitted as ``node_us``, a host cost per node; on CUDA, with two host-bound graphs, together
-with a scale on the ops' host times (the profiler's own time per recorded op inflates them).
+The device times are solved by non-negative least squares on relative errors (each equation
+divided by its measured value), so a 5 us element-wise op weighs as much as a 5 ms GEMM and the
+fixed costs are set by the many small ops; then an op with ``min_nodes`` large kernels (roofline
+time well above the fixed cost) gets the efficiency its large kernels' total time says, since a
+rewrite's saving is a sum dominated by them. On CUDA the host costs are medians (per launch,
+per view, per op where it differs). The ops' own times miss what the host spends between them
+(the graph's Python): given each graph's measured wall time per call (:func:`calibrate`
+measures it), that is fitted as ``node_us``, a host cost per node; on CUDA, with two host-bound
+graphs, together with a scale on the ops' host times (the profiler's own time per recorded op
+inflates them).
 An op whose host cost per launch differs from the pooled one (kopt's custom ops: Python and a
 Triton launcher) gets its own (``host_us``). Each node's time is the least over the profiled
 calls (``NodeCost.min_ms``) and each wall time the least of the timed calls: on a shared
@@ -249,6 +253,8 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
         launch_us=launch_us, view_us=view_us, host_us=host_us, kernel_us=kernel_us,
         fixed_us=fixed_us, efficiency=efficiency,
         graph_launch_us=(base.graph_launch_us if base else None), asynchronous=cuda)
+    model = model.with_(efficiency={**model.efficiency,
+                                    **_op_efficiencies(model, samples, roof, min_nodes)})
     note = ""
     if wall_ms is not None:
         model, note = _fit_walls(model, [counts for counts, _ in pairs], wall_ms)
@@ -258,6 +264,31 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
                               f"trace(s); median relative error per node {error:.0%}{note}")
 
 
+def _op_efficiencies(model: DeviceModel, samples: Sequence[_Sample], roof: Sequence[float],
+                     min_nodes: int) -> dict[str, float]:
+    """Each op's own efficiency where the trace has ``min_nodes`` large kernels of it: the one
+    that makes those kernels' modelled time add up to their measured time, the fixed cost
+    kept.
+
+    The group fit weighs every node alike (relative errors), so the many small kernels of a
+    group set its rate; an op whose few large kernels run slower (a copy out of a broadcast
+    or a strided view, a bias add over a whole activation) would be costed at the small ones'
+    rate. What a rewrite saves is a sum of kernel times, dominated by the large ones: the op's
+    totals decide its rate."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for s, r in zip(samples, roof, strict=True):
+        # a rate is measured only where it dominates: kernels whose roofline time is well
+        # above their fixed cost (small kernels' time is their fixed cost; the group's)
+        if s.count.kernel and s.ms > 0 and r * 1e3 >= SPREAD * model.fixed_of(s.count):
+            t = totals[s.count.op]
+            t[0] += 1
+            t[1] += s.ms
+            t[2] += model.launches(s.count) * model.fixed_of(s.count) / 1e3
+            t[3] += r
+    return {op: r / (m - f) for op, (n, m, f, r) in totals.items()
+            if n >= min_nodes and r > 0 and m > f}
+
+
 # An op gets its own host cost per launch when its median differs from the pooled one by more
 # than this fraction (kopt's custom ops: a Python implementation and a Triton launcher).
 OWN_HOST = 0.25
@@ -265,32 +296,32 @@ OWN_HOST = 0.25
 
 def _fit_host(samples: Sequence[_Sample], launches: Sequence[float],
               min_nodes: int) -> tuple[float, float, dict[str, float]]:
-    """(launch_us, view_us, host_us by op) from the ops' CPU times: one pooled cost per launch
-    and per view (least squares on relative errors), and an op's own median cost per launch
-    where the trace has ``min_nodes`` of it and that median is not the pooled one."""
-    rows = [i for i, s in enumerate(samples) if s.cost.host_ms > 0]
-
-    def pooled(keep: Sequence[int]) -> tuple[float, float]:
-        if not keep:
-            return 0.0, 0.0
-        a = torch.tensor([[launches[i] / 1e3, 0.0 if samples[i].count.kernel else 1 / 1e3]
-                          for i in keep], dtype=torch.float64)
-        y = torch.tensor([samples[i].cost.host_ms for i in keep], dtype=torch.float64)
-        launch, view = nnls(a / y.unsqueeze(1), torch.ones_like(y)).tolist()
-        return launch, view
-
-    launch_us, view_us = pooled(rows)
+    """(launch_us, view_us, host_us by op) from the ops' CPU times: the median cost per launch
+    and per view, and an op's own median cost per launch where the trace has ``min_nodes`` of
+    it and that median is not the pooled one. Medians, not a least-squares fit on relative
+    errors: timed without the profiler (:func:`kopt.profile.host_times`), a view's cost less
+    the timer's own comes out near zero for some nodes, and a relative error would let those
+    decide the fit."""
     per_op: dict[str, list[float]] = defaultdict(list)
-    for i in rows:
-        if samples[i].count.kernel and launches[i] > 0:
-            per_op[samples[i].count.op].append(samples[i].cost.host_ms * 1e3 / launches[i])
-    host_us = {op: statistics.median(v) for op, v in per_op.items()
-               if len(v) >= min_nodes
-               and abs(statistics.median(v) - launch_us) > OWN_HOST * launch_us}
+    views: list[float] = []
+    for s, n in zip(samples, launches, strict=True):
+        if s.cost.host_ms <= 0:
+            continue
+        if s.count.kernel and n > 0:
+            per_op[s.count.op].append(s.cost.host_ms * 1e3 / n)
+        elif not s.count.kernel and s.count.dispatched:
+            views.append(s.cost.host_ms * 1e3)
+
+    def median(v: Sequence[float]) -> float:
+        return statistics.median(v) if v else 0.0
+
+    launch_us = median([x for v in per_op.values() for x in v])
+    host_us = {op: median(v) for op, v in per_op.items()
+               if len(v) >= min_nodes and abs(median(v) - launch_us) > OWN_HOST * launch_us}
     if host_us:
-        rest = [i for i in rows if samples[i].count.op not in host_us]
-        launch_us, view_us = pooled(rest) if rest else (launch_us, view_us)
-    return launch_us, view_us, host_us
+        rest = [x for op, v in per_op.items() if op not in host_us for x in v]
+        launch_us = median(rest) if rest else launch_us
+    return launch_us, median(views), host_us
 
 
 def _fit_walls(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
@@ -299,17 +330,19 @@ def _fit_walls(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
 
     On a CPU (synchronous) every graph's wall time is its op times plus the graph's Python
     between them: ``node_us``, a host cost per node (the median over the graphs). On CUDA only
-    the graphs whose wall time exceeds their modelled device time are host-bound and say
-    anything about the host; the profiler also adds its own time to every op it records, so
-    with two such graphs both a scale on the ops' host costs and ``node_us`` are fitted
-    (non-negative least squares on relative errors), with one only ``node_us``. Hoisted
+    the graphs whose ops take longer on the host than on the device (both as measured, through
+    the model) are host-bound and say anything about the host -- a device-bound graph's wall
+    time above its modelled device time is the device model's error, not host time. The
+    profiler also adds its own time to every op it records, so with two such graphs both a
+    scale on the ops' host costs and ``node_us`` are fitted (non-negative least squares on
+    relative errors), with one only ``node_us``. Hoisted
     regions hit their caches in repeated calls with the same inputs: their nodes count as not
     run."""
     eqs = []  # (ops' host ms, nodes, wall ms)
     for graph, wall in zip(graphs, wall_ms, strict=True):
         counts = [c for c in graph if c.cached is None]
         p = model.predict(counts)
-        if model.asynchronous and wall <= p.device_ms:
+        if model.asynchronous and p.host_ms <= p.device_ms:
             continue  # device-bound: the wall time is the device's
         ops = p.host_ms if model.asynchronous else p.total_ms
         eqs.append((ops, len(counts), wall))

@@ -103,28 +103,43 @@ class DeviceModel:
     def predict(self, counts: Iterable[OpCount], *, cuda_graphs: bool = False,
                 weights: Sequence[float] | None = None) -> Prediction:
         """Time per call of the nodes ``counts``; ``weights``: the fraction of calls each runs
-        in (a hoisted region's nodes run only when its cache misses)."""
+        in (a hoisted region's nodes run only when its cache misses).
+
+        Eager (asynchronous device): the host's launches and the device's kernels overlap, so a
+        call takes the longer of the two. Replayed from a CUDA graph: the graph's kernels back
+        to back, each with its in-graph launch gap, no host time -- except the hoisted regions,
+        which run eagerly before the replay (a graph would replay one timestep's values for
+        every later one, :mod:`kopt.cudagraphs`): on a miss their launches and kernels are paid
+        like an eager call's, in series with the replay."""
         counts = list(counts)
         w = weights if weights is not None else [1.0] * len(counts)
-        device = host = kernels = flops = nbytes = 0.0
+        graphs = cuda_graphs and self.graph_launch_us is not None
+        parts = {"body": [0.0, 0.0, 0.0], "prelude": [0.0, 0.0, 0.0]}  # device, host, kernels
+        flops = nbytes = 0.0
         by_category: dict[str, float] = {}
         for c, f in zip(counts, w, strict=True):
             if f == 0:
                 continue
             k = f * self.kernel_ms(c)
-            device += k
-            host += f * self.host_ms(c)
-            kernels += f * self.launches(c)
+            part = parts["prelude" if graphs and c.cached is not None else "body"]
+            part[0] += k
+            part[1] += f * self.host_ms(c)
+            part[2] += f * self.launches(c)
             flops += f * c.flops
             nbytes += f * c.bytes
             by_category[c.category] = by_category.get(c.category, 0.0) + k
-        gap = (self.graph_launch_us or 0.0) * kernels / 1e3
-        if cuda_graphs and self.graph_launch_us is not None:
-            total = device + gap
-        elif self.asynchronous:
-            total = max(device + gap, host)
+
+        def eager(device: float, host: float, kernels: float) -> float:
+            gap = (self.graph_launch_us or 0.0) * kernels / 1e3
+            return max(device + gap, host) if self.asynchronous else device + host
+
+        device, host, kernels = (sum(v) for v in zip(*parts.values(), strict=True))
+        if graphs:
+            body, prelude = parts["body"], parts["prelude"]
+            total = body[0] + self.graph_launch_us * body[2] / 1e3 + eager(*prelude)
+            host = prelude[1]
         else:
-            total = device + host
+            total = eager(device, host, kernels)
         return Prediction(total, device, host, kernels, flops, nbytes, by_category)
 
     def to_json(self) -> str:

@@ -58,6 +58,10 @@ class PassConfig:
     """q/k RMSNorm + RoPE (+ the text/image concatenation) in one kernel that reads q and k
     strided out of the (merged) projection output."""
 
+    fold_gqa: bool = True
+    """Grouped-query attention whose K/V are repeated per query head (``repeat_kv``) -> the
+    query heads that share a K/V head folded into its query rows: no copies of K and V."""
+
     fuse_act_quant: bool = True
     """SwiGLU / GELU(tanh) + the FP8 per-token quantization of the next GEMM's input in one
     kernel (only with ``fp8``)."""

@@ -24,6 +24,7 @@ from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
+from kopt.passes.gqa import FoldGroupedQueryHeads
 from kopt.passes.hoist import HoistInvariants, cached_regions
 from kopt.passes.noop import ReinplaceCacheUpdates, RemoveNoOps
 from kopt.patterns.act_quant import ACT, ACT_QUANT
@@ -52,6 +53,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("gemm_epilogue", lambda c: RewritePass("gemm_epilogue", [GEMM_EPILOGUE])),
     # q/k are views of the merged QKV output here; the quantizers are the fp8 pass's
     ("fuse_qk_norm_rope", lambda c: RewritePass("fuse_qk_norm_rope", [QK_NORM_ROPE])),
+    ("fold_gqa", lambda c: FoldGroupedQueryHeads()),  # after the QK fusion found its SDPA
     ("fuse_act_quant", lambda c: RewritePass("fuse_act_quant", [ACT_QUANT])),
     ("fuse_act", lambda c: RewritePass("fuse_act", [ACT])),  # what fuse_act_quant left
     # before rowwise_fusion: it would take the same norms without the all-reduce

@@ -196,9 +196,18 @@ def test_benchmark_replays_a_cpu_run_from_its_saved_rows_and_calibration(tmp_pat
     run = [sys.executable, str(root / "benchmarks" / "ablate.py"), "--model", "llm-tiny",
            "--device", "cpu", "--dtype", "fp32", "--kind", "leave-one-out", "--pass", "cse",
            "--pass", "rowwise_fusion", "--iters", "2", "--warmup", "1", "--seeds", "0",
-           "--profile-iters", "2", "--out-dir", str(tmp_path / "run")]
+           "--profile-iters", "2", "--profile-rows", "1", "--out-dir", str(tmp_path / "run")]
     done = subprocess.run(run, capture_output=True, text=True, cwd=root, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    # every row profiled: its time by op; the row-wise fusion's op only where the pass ran
+    rows = {r["variant"]: r for r in
+            json.loads((tmp_path / "run" / "ablation.json").read_text())["rows"]}
+    assert all(r["op_ms"] for r in rows.values())
+    assert "kopt::rowwise" in rows["all"]["op_ms"]
+    assert "kopt::rowwise" not in rows["all - rowwise_fusion"]["op_ms"]
+    table = (tmp_path / "run" / "ablation.md").read_text()
+    section = table[table.index("### Kernel time by op"):]
+    assert "all - rowwise_fusion vs all" in section and "| kopt::rowwise |" in section
     saved = {p.name for p in (tmp_path / "run").iterdir()}
     assert {"rows.jsonl.gz", "calibration.json.gz", "device_model.json", "ablation.md",
             "run.json"} <= saved

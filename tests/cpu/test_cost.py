@@ -29,7 +29,7 @@ from kopt.cost import (
     fit,
     measure,
 )
-from kopt.cost.calibrate import nnls
+from kopt.cost.calibrate import fit_counted, nnls
 from kopt.cost.counts import OpCount
 from kopt.cost.symbolic import HP, S_IMG, S_TXT, WP, B, D, S, capture_stages, symbolic_pipeline
 from kopt.models import build
@@ -435,3 +435,88 @@ def test_an_inplace_cache_write_moves_the_written_bytes_not_the_cache() -> None:
     assert count_node(inplace).bytes == 2 * (token + 8)
     assert count_node(functional).bytes == 2 * full + token + 8
     assert count_node(back).bytes == 2 * full
+
+
+def _count(node: str, op: str, nbytes: float, *, kernel: bool = True, cached: str | None = None,
+           category: str = "elementwise") -> OpCount:
+    return OpCount(node, op, category, "bfloat16", 0, nbytes, kernel, cached)
+
+
+def test_a_cuda_graph_replay_pays_the_hoisted_regions_eagerly_on_a_miss() -> None:
+    """The hoisted regions run before the replay, eagerly (a graph would replay one timestep's
+    values): on a miss their host launches are paid in series with the graph's kernels; the
+    rest of the call is the graph's kernels and in-graph launch gaps, no host time."""
+    device = H200.with_(launch_us=20.0, view_us=5.0, node_us=0.0, kernel_us=2.0, fixed_us={},
+                        efficiency={}, graph_launch_us=1.0)
+    body = [_count(f"b{i}", "aten::mul", 4.247e6) for i in range(10)]  # 1 us roofline each
+    region = [_count(f"r{i}", "aten::mul", 4.247e6, cached="step") for i in range(10)]
+    views = [_count(f"v{i}", "aten::view", 0, kernel=False, cached="step") for i in range(4)]
+    graph = CostModel(device, cuda_graphs=True, calls_per_step=2)
+    got = graph.predict(body + region + views)
+    # body: 10 x (2 fixed + 1 roofline + 1 gap) us; prelude on a miss (every 2nd call): host
+    # 10 x 20 + 4 x 5 us, longer than its kernels
+    assert got.total_ms == pytest.approx((10 * 4 + (10 * 20 + 4 * 5) / 2) / 1e3)
+    assert got.host_ms == pytest.approx((10 * 20 + 4 * 5) / 2 / 1e3)
+    # eager: one timeline, host-bound
+    eager = dataclasses.replace(graph, cuda_graphs=False).predict(body + region + views)
+    assert eager.total_ms == pytest.approx((10 * 20 + (10 * 20 + 4 * 5) / 2) / 1e3)
+    # without hoisting the same work runs inside the graph every call
+    inline = [dataclasses.replace(c, cached=None) for c in region + views]
+    assert graph.predict(body + inline).total_ms == pytest.approx(20 * 4 / 1e3)
+
+
+def test_host_costs_are_medians_that_near_zero_timings_do_not_decide() -> None:
+    """Timed without the profiler, a view's cost less the timer's own is near zero for some
+    nodes: the fitted cost per view and per launch are the medians, not pulled to zero."""
+    from kopt.cost.calibrate import _fit_host, _Sample
+
+    def sample(i: int, op: str, host_us: float, kernel: bool) -> _Sample:
+        return _Sample(_count(f"n{i}", op, 1e6 if kernel else 0, kernel=kernel),
+                       NodeCost(f"n{i}", op, ms=0.01 if kernel else 0.0, calls=1,
+                                host_ms=host_us / 1e3))
+
+    views = [5.0, 6.0, 7.0, 0.001, 0.002, 5.5, 6.5]
+    launches = [15.0, 16.0, 17.0, 0.01, 18.0]
+    custom = [200.0, 210.0, 190.0]
+    samples = ([sample(i, "aten::view", h, False) for i, h in enumerate(views)]
+               + [sample(10 + i, "aten::mul", h, True) for i, h in enumerate(launches)]
+               + [sample(20 + i, "kopt::rowwise", h, True) for i, h in enumerate(custom)])
+    launch_us, view_us, host_us = _fit_host(samples, [1.0 if s.count.kernel else 0.0
+                                                      for s in samples], 3)
+    assert view_us == pytest.approx(5.5)
+    assert launch_us == pytest.approx(16.0)
+    assert host_us == {"kopt::rowwise": pytest.approx(200.0)}
+
+
+def test_a_device_bound_graph_says_nothing_about_the_host() -> None:
+    """A device-bound graph whose wall time the device model under-predicts: the difference
+    is the device model's error, not host time per node."""
+    from kopt.cost.calibrate import _fit_walls
+
+    model = H200.with_(launch_us=10.0, view_us=0.0, node_us=0.0, kernel_us=5.0, fixed_us={},
+                       efficiency={})
+    graph = [_count(f"n{i}", "aten::mul", 4.247e8) for i in range(10)]  # 100 us each
+    p = model.predict(graph)
+    assert p.device_ms > p.host_ms
+    got, note = _fit_walls(model, [graph], [1.3 * p.device_ms])
+    assert got.node_us == 0.0 and note == ""
+
+
+def test_an_op_whose_large_kernels_run_slower_gets_the_rate_its_totals_say() -> None:
+    """The group fit weighs nodes alike, so many small kernels of a group set its rate; an
+    op with a few large kernels at half that rate gets its own efficiency from its totals,
+    and the large kernels' modelled time adds up to their measured time."""
+    truth = H200.with_(kernel_us=2.0, fixed_us={}, efficiency={"*": 0.8}, kernels_per_op={})
+    slow = truth.with_(efficiency={"*": 0.4})
+    counts = [_count(f"m{i}", "aten::mul", 4.247e6 * (1 + i % 5)) for i in range(40)]
+    counts += [_count(f"c{i}", "aten::clone", 4.247e8) for i in range(4)]  # 100 us roofline
+    nodes = {}
+    for c in counts:
+        ms = (slow if c.op == "aten::clone" else truth).kernel_ms(c)
+        nodes[c.node] = NodeCost(c.node, c.op, ms=ms, calls=1, host_ms=0.01, min_ms=ms)
+    got = fit_counted([(counts, Attribution("cuda", 1, nodes, {}, 1.0))], base=truth)
+    clones = [c for c in counts if c.op == "aten::clone"]
+    assert got.efficiency["aten::clone"] == pytest.approx(0.4, rel=1e-6)
+    assert sum(got.kernel_ms(c) for c in clones) == pytest.approx(
+        sum(nodes[c.node].ms for c in clones), rel=1e-6)
+    assert got.efficiency_of(counts[0]) == pytest.approx(0.8, rel=1e-3)

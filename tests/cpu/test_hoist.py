@@ -278,3 +278,27 @@ def test_an_equal_timestep_in_a_new_tensor_hits(qwen) -> None:  # noqa: ANN001
     assert rows.count(1) == 3
     _, rows = _run(hoisted, dict(w.kwargs, timestep=last))  # identity still hits
     assert rows.count(1) == 0
+
+
+def test_copy_all_copies_every_pair_in_multi_tensor_launches() -> None:
+    """The CUDA-graph runner's copy-in (kopt.cudagraphs.copy_all): every destination gets its
+    source, whatever its dtype, layout or a cast; pairs of one device and dtype go through one
+    multi-tensor copy, not one copy each."""
+    from unittest import mock
+
+    from kopt.cudagraphs import copy_all
+
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(3, 4, generator=g) for _ in range(5)]
+    src.append(torch.randn(4, 3, generator=g).t())  # a strided view
+    src.append(torch.randn(6, generator=g, dtype=torch.float64))
+    src.append(torch.randn(2, generator=g).to(torch.bfloat16))
+    dst = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in src]
+    dst.append(torch.empty(2))  # a cast: bf16 into fp32
+    src.append(torch.randn(2, generator=g).to(torch.bfloat16))
+    with mock.patch("torch._foreach_copy_", wraps=torch._foreach_copy_) as foreach:
+        copy_all(dst, src)
+    # the six fp32 pairs in one launch; the lone fp64 and bf16 pairs and the cast one by one
+    assert [len(c.args[0]) for c in foreach.call_args_list] == [6]
+    for d, s in zip(dst, src, strict=True):
+        assert torch.equal(d, s.to(d.dtype))
