@@ -242,6 +242,9 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
                   if kind == "eff"}
     kernel_us = fixed_us.pop(ANY_KERNEL, base.kernel_us if base else (
         statistics.median(fixed_us.values()) if fixed_us else 0.0))
+    if base is not None:  # a group of small kernels only measured no rate: the base's
+        efficiency |= _unmeasured_rates(base, samples, roof, dev, group,
+                                        {k: fixed_us.get(k, kernel_us) for k in keys})
 
     host_us: dict[str, float] = {}
     if cuda:  # host time per launch and per view, from the ops' CPU times
@@ -262,6 +265,29 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
     where = ", ".join(sorted({a.device for _, a in pairs}))
     return model.with_(source=f"fitted to {len(samples)} nodes of {len(pairs)} {where} "
                               f"trace(s); median relative error per node {error:.0%}{note}")
+
+
+def _unmeasured_rates(base: DeviceModel, samples: Sequence[_Sample], roof: Sequence[float],
+                      dev: Sequence[int], group: dict[str, str],
+                      fixed_us: dict[str, float]) -> dict[str, float]:
+    """The base model's efficiency for each group whose kernels are all small: their time is
+    their fixed cost, so the fitted rate is whatever the solver left (0.09 of the bandwidth
+    for a decode step's quantizers, all on 64-row inputs), and a large kernel of the group
+    elsewhere (the same quantizer on a weight) would be costed at it."""
+    largest: dict[str, float] = defaultdict(float)
+    category: dict[str, str] = {}
+    for i in dev:
+        key = group[samples[i].count.op]
+        largest[key] = max(largest[key], roof[i] * 1e3)
+        category.setdefault(key, samples[i].count.category)
+    out = {}
+    for key, us in largest.items():
+        if key == ANY_KERNEL or us >= SPREAD * fixed_us.get(key, 0.0):
+            continue
+        prior = base.efficiency.get(key, base.efficiency.get(category[key]))
+        if prior is not None:
+            out[key] = prior
+    return out
 
 
 def _op_efficiencies(model: DeviceModel, samples: Sequence[_Sample], roof: Sequence[float],

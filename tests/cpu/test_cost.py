@@ -520,3 +520,23 @@ def test_an_op_whose_large_kernels_run_slower_gets_the_rate_its_totals_say() -> 
     assert sum(got.kernel_ms(c) for c in clones) == pytest.approx(
         sum(nodes[c.node].ms for c in clones), rel=1e-6)
     assert got.efficiency_of(counts[0]) == pytest.approx(0.8, rel=1e-3)
+
+
+def test_a_group_of_small_kernels_takes_the_base_rate_it_cannot_measure() -> None:
+    """Kernels whose time is their fixed cost measure no rate (decode's quantizers, all on
+    64-row inputs): the group gets the base model's efficiency, so a large kernel of the same
+    op elsewhere (the quantizer on a weight) is not costed at whatever the solver left."""
+    base = H200.with_(kernel_us=2.0, fixed_us={}, kernels_per_op={},
+                      efficiency={"quantization": 0.6, "elementwise": 0.75})
+    truth = base.with_(fixed_us={"kopt::quant_fp8_rowwise": 4.0},
+                       efficiency={"kopt::quant_fp8_rowwise": 0.05, "elementwise": 0.7})
+    counts = [_count(f"q{i}", "kopt::quant_fp8_rowwise", 4.247e3 * (1 + i % 5),
+                     category="quantization") for i in range(12)]  # ~1-5 ns of roofline
+    counts += [_count(f"m{i}", "aten::mul", 4.247e6 * (1 + i % 8)) for i in range(12)]
+    nodes = {c.node: NodeCost(c.node, c.op, ms=truth.kernel_ms(c), calls=1, host_ms=0.01,
+                              min_ms=truth.kernel_ms(c)) for c in counts}
+    got = fit_counted([(counts, Attribution("cuda", 1, nodes, {}, 1.0))], base=base)
+    weight = _count("w", "kopt::quant_fp8_rowwise", 1e9, category="quantization")
+    assert got.efficiency_of(weight) == pytest.approx(0.6)
+    assert got.fixed_of(weight) == pytest.approx(4.0, rel=1e-3)  # the fixed cost is measured
+    assert got.efficiency_of(counts[-1]) == pytest.approx(0.7, rel=1e-3)  # a measured rate
