@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import fx
 
@@ -140,3 +141,32 @@ class RewritePass(Pass):
             rejections=tuple(rejections),
             notes=notes,
         )
+
+
+class NodeSitePass(Pass):
+    """A pass whose sites are single nodes: ``find`` says what a node is (None: not a site, a
+    string: why it is not rewritten), ``apply`` rewrites it."""
+
+    def find(self, node: fx.Node) -> Any:
+        raise NotImplementedError
+
+    def apply(self, gm: fx.GraphModule, node: fx.Node, found: Any) -> None:
+        raise NotImplementedError
+
+    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
+        t0 = time.perf_counter()
+        before = count_nodes(gm)
+        done: list[str] = []
+        rejected: dict[str, int] = {}
+        for node in list(gm.graph.nodes):
+            found = self.find(node)
+            if found is None or (sites is not None and node.name not in sites):
+                continue
+            if isinstance(found, str):
+                rejected[found] = rejected.get(found, 0) + 1
+                continue
+            self.apply(gm, node, found)
+            done.append(node.name)
+        eliminate_dead(gm)
+        return PassResult(self.name, len(done), rejected, before, count_nodes(gm),
+                          time.perf_counter() - t0, sites=tuple(done))

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from kopt.graph.splice import infer_meta
-from kopt.passes.noop import _NodeSitePass
+from kopt.passes.base import NodeSitePass
 from kopt.patterns.core import tolerance
 
 aten = torch.ops.aten
@@ -112,7 +112,7 @@ def gqa_site(node: fx.Node) -> _Site | str | None:
     return _Site(k[0], v[0], k[1], mask)
 
 
-class FoldGroupedQueryHeads(_NodeSitePass):
+class FoldGroupedQueryHeads(NodeSitePass):
     name = "fold_gqa"
     numerics = tolerance("each query head attends over the same keys; only the attention "
                          "kernel's blocking changes")

@@ -11,14 +11,10 @@ feed-forward outputs cost 3.6 ms per forward on an H200 (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import torch
 from torch import fx
 
-from kopt.graph.splice import eliminate_dead
-from kopt.passes.base import Pass, PassResult, count_nodes
+from kopt.passes.base import NodeSitePass
 from kopt.patterns.core import exact
 
 aten = torch.ops.aten
@@ -61,36 +57,7 @@ def noop_input(node: fx.Node) -> fx.Node | str | None:
     return src
 
 
-class _NodeSitePass(Pass):
-    """A pass whose sites are single nodes: ``find`` says what a node is (None: not a site, a
-    string: why it is not rewritten), ``apply`` rewrites it."""
-
-    def find(self, node: fx.Node) -> Any:
-        raise NotImplementedError
-
-    def apply(self, gm: fx.GraphModule, node: fx.Node, found: Any) -> None:
-        raise NotImplementedError
-
-    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
-        t0 = time.perf_counter()
-        before = count_nodes(gm)
-        done: list[str] = []
-        rejected: dict[str, int] = {}
-        for node in list(gm.graph.nodes):
-            found = self.find(node)
-            if found is None or (sites is not None and node.name not in sites):
-                continue
-            if isinstance(found, str):
-                rejected[found] = rejected.get(found, 0) + 1
-                continue
-            self.apply(gm, node, found)
-            done.append(node.name)
-        eliminate_dead(gm)
-        return PassResult(self.name, len(done), rejected, before, count_nodes(gm),
-                          time.perf_counter() - t0, sites=tuple(done))
-
-
-class RemoveNoOps(_NodeSitePass):
+class RemoveNoOps(NodeSitePass):
     name = "remove_noops"
     numerics = exact("a copy of a value is the value")
 
@@ -119,7 +86,7 @@ def reinplace_site(node: fx.Node) -> tuple[fx.Node, fx.Node] | str | None:
     return buf, back[0]
 
 
-class ReinplaceCacheUpdates(_NodeSitePass):
+class ReinplaceCacheUpdates(NodeSitePass):
     """Write a cache update into its buffer instead of into a new tensor copied back::
 
         # copy_(cache, index_copy(cache, d, i, v)) -> index_copy_(cache, d, i, v)
