@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kopt.ablate import _stepper, step_inputs
+from kopt.ablate import step_inputs, stepper
 from kopt.api import optimize_captured
 from kopt.bench import median_ms
 from kopt.capture import capture_module
@@ -39,7 +39,7 @@ def main() -> None:
     config = PassConfig(fuse_allreduce_norm=False, fp8=FP8Config(layout="rowwise"))
     gm = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0).gm
     x = cap.example_inputs
-    step = _stepper(itertools.cycle(step_inputs(w)), w.calls_per_step)
+    step = stepper(itertools.cycle(step_inputs(w)), w.calls_per_step)
 
     def walls(label: str) -> None:
         with torch.no_grad():

@@ -328,7 +328,7 @@ def step_inputs(w: Workload, steps: int = STEPS) -> list[list[Any]]:
     return out
 
 
-def _stepper(inputs: Iterator[list[Any]], calls: int) -> Callable[[Callable[..., Any]], None]:
+def stepper(inputs: Iterator[list[Any]], calls: int) -> Callable[[Callable[..., Any]], None]:
     """One step: ``calls`` calls of a runner on the next step's inputs."""
     def step(fn: Callable[..., Any]) -> None:
         flat = next(inputs)
@@ -422,7 +422,7 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     spec = optimize_captured(cap, v.config, verify, None, f"{w.name} [{v.name}]", 0.0)
     gm, calls = spec.gm, w.calls_per_step
     device = reference.device
-    step = _stepper(itertools.cycle(inputs), calls)
+    step = stepper(itertools.cycle(inputs), calls)
     with torch.no_grad():
         error = relative_error(_main(gm(*cap.example_inputs)), reference)
         ms = median_ms(lambda: step(gm), iters, warmup, device) / calls

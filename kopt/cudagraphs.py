@@ -144,11 +144,11 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     region hands the graph hundreds of modulation vectors (W1: 6 per stream per block), whose
     copies one launch each would cost the host more than the region saves. Pairs of one device
     and dtype go through ``torch._foreach_copy_``; others (a CPU scalar, a cast) one by one."""
-    groups: dict[tuple[torch.device, torch.dtype, torch.device, torch.dtype],
+    groups: dict[tuple[torch.device, torch.dtype],
                  tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for d, s in zip(dst, src, strict=True):
         if d.device == s.device and d.dtype == s.dtype:
-            ds, ss = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
+            ds, ss = groups.setdefault((d.device, d.dtype), ([], []))
             ds.append(d)
             ss.append(s)
         else:

@@ -267,6 +267,12 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
                               f"trace(s); median relative error per node {error:.0%}{note}")
 
 
+def _rate_dominates(roof_ms: float, fixed_us: float) -> bool:
+    """A kernel measures a rate only where its roofline time is well above its fixed cost
+    (a small kernel's time is its fixed cost)."""
+    return roof_ms * 1e3 >= SPREAD * fixed_us
+
+
 def _unmeasured_rates(base: DeviceModel, samples: Sequence[_Sample], roof: Sequence[float],
                       dev: Sequence[int], group: dict[str, str],
                       fixed_us: dict[str, float]) -> dict[str, float]:
@@ -278,11 +284,11 @@ def _unmeasured_rates(base: DeviceModel, samples: Sequence[_Sample], roof: Seque
     category: dict[str, str] = {}
     for i in dev:
         key = group[samples[i].count.op]
-        largest[key] = max(largest[key], roof[i] * 1e3)
+        largest[key] = max(largest[key], roof[i])
         category.setdefault(key, samples[i].count.category)
     out = {}
-    for key, us in largest.items():
-        if key == ANY_KERNEL or us >= SPREAD * fixed_us.get(key, 0.0):
+    for key, roof_ms in largest.items():
+        if key == ANY_KERNEL or _rate_dominates(roof_ms, fixed_us.get(key, 0.0)):
             continue
         prior = base.efficiency.get(key, base.efficiency.get(category[key]))
         if prior is not None:
@@ -303,9 +309,7 @@ def _op_efficiencies(model: DeviceModel, samples: Sequence[_Sample], roof: Seque
     totals decide its rate."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for s, r in zip(samples, roof, strict=True):
-        # a rate is measured only where it dominates: kernels whose roofline time is well
-        # above their fixed cost (small kernels' time is their fixed cost; the group's)
-        if s.count.kernel and s.ms > 0 and r * 1e3 >= SPREAD * model.fixed_of(s.count):
+        if s.count.kernel and s.ms > 0 and _rate_dominates(r, model.fixed_of(s.count)):
             t = totals[s.count.op]
             t[0] += 1
             t[1] += s.ms

@@ -4,8 +4,8 @@ Grouped-query attention (Llama, Qwen, Mistral: 8 K/V heads for 32 query heads) i
 Hugging Face's models as ``repeat_kv``: K and V are expanded to one head per query head and
 copied (``reshape`` of an ``expand`` is a ``clone``), then attention runs as plain multi-head
 attention. In decode the copies move ``rep`` times the whole KV cache per layer per step: on
-an H200, for Qwen3-8B's shapes at batch 64 over 640 cached tokens, 26 of the step's 37 ms
-replayed from a CUDA graph (benchmarks/RESULTS.md, session 6).
+an H200, for Qwen3-8B's shapes at batch 64 over a 640-token cache, 26.4 of the step's 37.1 ms
+of kernel time, profiled (benchmarks/RESULTS.md, session 6).
 
 The rewrite folds the query heads that share a K/V head into the query rows instead::
 
