@@ -306,11 +306,12 @@ def _op_efficiencies(model: DeviceModel, samples: Sequence[_Sample], roof: Seque
     group set its rate; an op whose few large kernels run slower (a copy out of a broadcast
     or a strided view, a bias add over a whole activation) would be costed at the small ones'
     rate. What a rewrite saves is a sum of kernel times, dominated by the large ones: the op's
-    totals decide its rate."""
+    totals decide its rate, one per operand layout (:func:`kopt.cost.counts.layout`: a
+    broadcast or strided operand takes ATen's unvectorized kernel)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for s, r in zip(samples, roof, strict=True):
         if s.count.kernel and s.ms > 0 and _rate_dominates(r, model.fixed_of(s.count)):
-            t = totals[s.count.op]
+            t = totals[s.count.rate_key]
             t[0] += 1
             t[1] += s.ms
             t[2] += model.launches(s.count) * model.fixed_of(s.count) / 1e3

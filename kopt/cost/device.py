@@ -73,8 +73,9 @@ class DeviceModel:
         return max(flops / (self.peak(dtype) * 1e9), nbytes / (self.bandwidth_gbs * 1e6))
 
     def efficiency_of(self, c: OpCount) -> float:
-        """By op, else category, else ``*`` (every other kernel), else 1."""
-        for key in (c.op, c.category, "*"):
+        """By op and operand layout (``aten::add[broadcast]``), else op, else category, else
+        ``*`` (every other kernel), else 1."""
+        for key in (c.rate_key, c.op, c.category, "*"):
             if key in self.efficiency:
                 return self.efficiency[key]
         return 1.0

@@ -540,3 +540,66 @@ def test_a_group_of_small_kernels_takes_the_base_rate_it_cannot_measure() -> Non
     assert got.efficiency_of(weight) == pytest.approx(0.6)
     assert got.fixed_of(weight) == pytest.approx(4.0, rel=1e-3)  # the fixed cost is measured
     assert got.efficiency_of(counts[-1]) == pytest.approx(0.7, rel=1e-3)  # a measured rate
+
+
+def test_operand_layout_is_counted_and_sets_its_own_rate() -> None:
+    """A bias add (an operand broadcast over the output) and a cat of slices (strided
+    operands) are told from a plain add and a cat of whole tensors; the fit gives the slow
+    layout its own rate from its large kernels, and an op seen only contiguous costs a
+    broadcast of itself at the op's rate."""
+    from kopt.cost.counts import count_node
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, y, b, qkv = (g.placeholder(n) for n in ("x", "y", "b", "qkv"))
+    vals = {x: torch.empty(64, 128, device="meta"), y: torch.empty(64, 128, device="meta"),
+            b: torch.empty(128, device="meta"), qkv: torch.empty(64, 384, device="meta")}
+    plain = g.call_function(aten.add.Tensor, (x, y))
+    bias = g.call_function(aten.add.Tensor, (x, b))
+    q = g.call_function(aten.slice.Tensor, (qkv, 1, 0, 128))
+    k = g.call_function(aten.slice.Tensor, (qkv, 1, 128, 256))
+    cat_views = g.call_function(aten.cat.default, ([q, k], 1))
+    cat_whole = g.call_function(aten.cat.default, ([x, y], 1))
+    for n, v in vals.items():
+        n.meta["val"] = v
+    for n in (plain, bias):
+        n.meta["val"] = torch.empty(64, 128, device="meta")
+    q.meta["val"] = vals[qkv][:, :128]
+    k.meta["val"] = vals[qkv][:, 128:256]
+    for n in (cat_views, cat_whole):
+        n.meta["val"] = torch.empty(64, 256, device="meta")
+    got = [count_node(n).rate_key for n in (plain, bias, cat_views, cat_whole, q)]
+    assert got == ["aten::add", "aten::add[broadcast]", "aten::cat[strided]", "aten::cat",
+                   "aten::slice"]
+
+    truth = H200.with_(kernel_us=2.0, fixed_us={}, kernels_per_op={},
+                       efficiency={"aten::add": 0.8, "aten::add[broadcast]": 0.4})
+    counts = [dataclasses.replace(_count(f"a{i}", "aten::add", 4.247e8 * (1 + i % 3)),
+                                  layout="broadcast" if i % 2 else "") for i in range(12)]
+    nodes = {c.node: NodeCost(c.node, c.op, ms=truth.kernel_ms(c), calls=1, host_ms=0.01,
+                              min_ms=truth.kernel_ms(c)) for c in counts}
+    fitted = fit_counted([(counts, Attribution("cuda", 1, nodes, {}, 1.0))], base=truth)
+    assert fitted.efficiency_of(counts[0]) == pytest.approx(0.8, rel=1e-3)
+    assert fitted.efficiency_of(counts[1]) == pytest.approx(0.4, rel=1e-3)
+    mul = dataclasses.replace(_count("m", "aten::mul", 1e6), layout="broadcast")
+    assert H200.with_(efficiency={"aten::mul": 0.7}).efficiency_of(mul) == 0.7
+
+
+def test_a_reshape_that_can_view_its_input_is_a_view_whatever_its_traced_storage() -> None:
+    """A pass traces its new nodes' values one by one (another storage than the input's): the
+    reshape of a contiguous activation to 2-D is still a view; flattening a transposed one is
+    a copy."""
+    from kopt.cost.counts import count_node, is_view
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, t = g.placeholder("x"), g.placeholder("t")
+    x.meta["val"] = torch.empty(1, 48, 64, device="meta")
+    t.meta["val"] = torch.empty(1, 64, 48, device="meta").transpose(1, 2)
+    flat = g.call_function(aten.reshape.default, (x, [-1, 64]))
+    copy = g.call_function(aten.reshape.default, (t, [-1]))
+    flat.meta["val"] = torch.empty(48, 64, device="meta")
+    copy.meta["val"] = torch.empty(48 * 64, device="meta")
+    assert is_view(flat) and count_node(flat).bytes == 0
+    assert not is_view(copy) and count_node(copy).bytes == 2 * 48 * 64 * 4
+

@@ -1,0 +1,152 @@
+"""Where a kopt custom op's host time per launch goes, layer by layer (CUDA).
+
+    python benchmarks/launch_cost.py [--calls 500]
+
+Takes the first ``kopt::rowwise`` call of qwen-image-tiny optimized with FP8 (its real spec
+and inputs) and times, per call (host only: the kernels are a few microseconds, so the device
+keeps up), the op through the dispatcher, the CUDA implementation without it
+(``rowwise_triton``), kopt's planning and allocation alone (``prepare_launch``), Triton's
+launch of a prepared call alone (``kernel[grid](...)``), and the same kernel launched through
+its compiled handle (``CompiledKernel[grid]``, bypassing the JIT's argument binding), checked
+bitwise against the JIT launch. Also the dispatcher's own cost: the same CUDA implementation
+registered as a plain ``torch.library.Library`` op, the op under ``torch.inference_mode``
+(no autograd layer), and a custom op that only allocates its output. Session 7 measured
+110-255 us per kopt launch in W1's eager graph (``benchmarks/host_cost.py``) against 38 us for
+a cuBLAS GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Interpreter
+
+from kopt.api import optimize_captured
+from kopt.capture import capture_module
+from kopt.codegen import rowwise as rw
+from kopt.models import build
+from kopt.passes.config import FP8Config, PassConfig
+from kopt.verify import VerifyOptions
+
+
+def per_call_us(f: Callable[[], Any], calls: int) -> float:
+    for _ in range(10):
+        f()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            f()
+        best = min(best, (time.perf_counter_ns() - t0) / calls / 1e3)
+        torch.cuda.synchronize()
+    return best
+
+
+def first_rowwise_call() -> tuple[list[torch.Tensor], str]:
+    w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
+    cap = capture_module(w.model, w.args, w.kwargs)
+    config = PassConfig(fp8=FP8Config(min_features=16))
+    gm = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0).gm
+    found: list[tuple[list[torch.Tensor], str]] = []
+
+    class Find(Interpreter):
+        def run_node(self, n: Any) -> Any:
+            out = super().run_node(n)
+            if not found and n.target is torch.ops.kopt.rowwise.default:
+                found.append(self.fetch_args_kwargs_from_env(n)[0])
+            return out
+
+    with torch.no_grad():
+        Find(gm).run(*cap.example_inputs)
+    if not found:
+        raise SystemExit("no kopt::rowwise call in qwen-image-tiny's optimized graph")
+    return found[0]
+
+
+@torch.library.custom_op("kopt_probe::alloc", mutates_args=())
+def alloc(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@alloc.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# the same op's CUDA implementation registered without torch.library.custom_op's layers
+_LIB = torch.library.Library("kopt_probe", "DEF")
+_LIB.define("rowwise(Tensor[] inputs, str spec) -> Tensor[]")
+_LIB.impl("rowwise", lambda inputs, spec: list(rw.rowwise_triton(rw._parse_spec(spec),
+                                                                 inputs).values()), "CUDA")
+
+
+def inference(f: Callable[[], Any]) -> Callable[[], Any]:
+    def g() -> Any:
+        with torch.inference_mode():
+            return f()
+    return g
+
+
+def compiled_runner(launch: rw.Launch) -> Callable[[], None]:
+    """The launch through the kernel's compiled handle: every parameter in order."""
+    kernel = launch.kernel
+    options = {"num_warps": launch.num_warps, "enable_fp_fusion": False}
+    compiled = kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs, **options)
+    names = kernel.arg_names
+    values = list(launch.args) + [launch.constexprs[n] for n in names[len(launch.args):]]
+    runner = compiled[(*launch.grid, 1, 1)[:3]]  # the handle reads all three grid dimensions
+    return lambda: runner(*values)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=500)
+    args = p.parse_args()
+    inputs, spec_text = first_rowwise_call()
+    spec = rw._parse_spec(spec_text)
+    n = args.calls
+    launch = rw.prepare_launch(spec, inputs)
+    rows = [
+        ("torch.ops.kopt.rowwise (dispatcher + CUDA impl)",
+         per_call_us(lambda: torch.ops.kopt.rowwise.default(inputs, spec_text), n)),
+        ("rowwise_triton (no dispatcher)", per_call_us(lambda: rw.rowwise_triton(spec, inputs), n)),
+        ("prepare_launch (plan + allocate outputs)",
+         per_call_us(lambda: rw.prepare_launch(spec, inputs), n)),
+        ("kernel[grid](...) (Triton JIT launch)", per_call_us(lambda: rw._run(launch), n)),
+        ("the CUDA implementation as a torch.library.Library op (no custom_op layers)",
+         per_call_us(lambda: torch.ops.kopt_probe.rowwise.default(inputs, spec_text), n)),
+        ("the same under torch.inference_mode (no autograd key)",
+         per_call_us(inference(lambda: torch.ops.kopt.rowwise.default(inputs, spec_text)), n)),
+        ("dispatcher: custom op that allocates one tensor",
+         per_call_us(lambda: torch.ops.kopt_probe.alloc.default(inputs[0]), n)),
+        ("torch.empty_like alone", per_call_us(lambda: torch.empty_like(inputs[0]), n)),
+    ]
+    try:
+        run = compiled_runner(launch)
+        rw._run(launch)
+        torch.cuda.synchronize()
+        expected = {k: v.clone() for k, v in launch.outputs.items()}
+        for v in launch.outputs.values():
+            v.zero_()
+        run()
+        torch.cuda.synchronize()
+        same = all(torch.equal(expected[k].view(torch.uint8), v.view(torch.uint8))
+                   for k, v in launch.outputs.items())
+        rows.append((f"CompiledKernel[grid](...) (bitwise equal to the JIT launch: {same})",
+                     per_call_us(run, n)))
+    except Exception as e:  # noqa: BLE001 -- the probe reports what this Triton does not have
+        rows.append((f"CompiledKernel[grid](...): failed ({type(e).__name__}: {e})", float("nan")))
+    shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+    print(f"kopt::rowwise on {torch.cuda.get_device_name()} (inputs {shapes}; {len(launch.args)} "
+          f"kernel arguments; least over 5 rounds of {n} calls, us per call)")
+    for name, us in rows:
+        print(f"  {us:8.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
