@@ -29,6 +29,10 @@ machine, without the GPU:
 ``--profile-rows N`` also profiles every row (N calls): ``ablation.md`` then shows, per pass,
 the ops its saving is made of, predicted against measured kernel time -- where a miss comes from.
 
+``--paired`` times the all-passes row again right after every later row, so each leave-one-out
+saving is a difference of two back-to-back timings: the GPU's drift over a run (about +-2 ms
+per row on a 100 ms W1 call) stays out of it; ``ablation.md`` gives the all-passes row's spread.
+
 ``--calibrate-only`` stops after the fit: a new calibration of the same workload, checked
 against an earlier run's rows with ``--replay OLD --device-model NEW/device_model.json``.
 """
@@ -211,6 +215,10 @@ def main() -> None:
     p.add_argument("--profile-rows", type=int, default=0, metavar="N",
                    help="also profile every row over N calls: its kernel time by op, held "
                    "against the predicted per pass in ablation.md (where a miss comes from)")
+    p.add_argument("--paired", action="store_true",
+                   help="time the all-passes row again right after every later row: each "
+                   "leave-one-out saving is then a difference of two back-to-back timings "
+                   "(the run's drift left out; holds a second variant in memory)")
     p.add_argument("--out-dir", help="where the results go (required unless --replay)")
     p.add_argument("--calibrate-only", action="store_true", help="stop after the fit "
                    "(calibration.json.gz, device_model.json): check it with --replay on the rows "
@@ -268,6 +276,7 @@ def main() -> None:
     cost = CostModel(device, calls_per_step=w.calls_per_step)
     result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
                     cost=cost, iters=args.iters, profile_rows=args.profile_rows,
+                    paired=args.paired,
                     warmup=args.warmup, captured=cap,
                     verify=VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(args.seeds))),
                     progress=lambda s: print(s, flush=True),

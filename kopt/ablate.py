@@ -84,6 +84,10 @@ class Row:
     # measured kernel time (CUDA; op time on a CPU) per call by op, from a profile of the
     # variant's eager call with the hoisted regions hit (``ablate(profile_rows=N)``)
     op_ms: dict[str, float] | None = field(default=None, compare=False, repr=False)
+    # the all-passes row timed again right after this row (``ablate(paired=True)``): eager,
+    # CUDA graph; a leave-one-out saving is then this row less its own re-timing
+    ref_ms: float | None = None
+    ref_graph_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "counts"}
@@ -140,8 +144,21 @@ class Ablation:
             if ms(a) is None or ms(b) is None or a.sites == b.sites:
                 continue
             p = None if pred(a) is None or pred(b) is None else pred(a) - pred(b)
-            out[r.subject] = (p, ms(a) - ms(b))
+            paired = r.ref_graph_ms if graphs else r.ref_ms
+            measured_b = paired if kind == "leave-one-out" and paired is not None else ms(b)
+            out[r.subject] = (p, ms(a) - measured_b)
         return out
+
+    def reference_spread(self, graphs: bool = False) -> tuple[float, float] | None:
+        """(least, most) ms per call the all-passes row measured over its paired re-timings
+        (``ablate(paired=True)``), its own first timing included: the drift of the run."""
+        every = self.every_pass
+        times = [r.ref_graph_ms if graphs else r.ref_ms for r in self.rows]
+        times = [t for t in times if t is not None]
+        first = every.graph_ms if graphs else every.ms
+        if not times or first is None:
+            return None
+        return min(times + [first]), max(times + [first])
 
     @property
     def every_pass(self) -> Row:
@@ -160,6 +177,15 @@ class Ablation:
                 f"Predicted: {self.device_model or 'no cost model'}.\n\n"
                 + (f"On in every row, the baseline included (not ablated): "
                    f"{', '.join(self.context)}.\n\n" if self.context else ""))
+        spreads = [(m, self.reference_spread(g)) for m, g in (("eager", False),
+                                                             ("CUDA graph", True))]
+        spreads = [(m, sp) for m, sp in spreads if sp is not None]
+        if spreads:
+            head += ("Paired: the all-passes row was timed again right after each later row; a "
+                     "leave-one-out saving is that row less its paired re-timing. The "
+                     "all-passes row measured " + ", ".join(
+                         f"{lo:.4g}-{hi:.4g} ms ({m})" for m, (lo, hi) in spreads)
+                     + " over the run.\n\n")
         cols = ["variant", "sites", "ms/call", "saved"]
         if graphs:
             cols += ["ms/call (CUDA graph)", "saved (graph)"]
@@ -347,7 +373,7 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
            captured: Captured | None = None,
            progress: Callable[[str], None] = log.info,
            on_row: Callable[[Ablation, Row], None] | None = None,
-           profile_rows: int = 0) -> Ablation:
+           profile_rows: int = 0, paired: bool = False) -> Ablation:
     """Ablate the passes ``config`` enables (or only ``passes`` of them) on workload ``w``.
 
     ``cost``: ranks the passes (the cumulative order) and predicts each row; without it the
@@ -355,6 +381,10 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
     each row as it is measured (to save rows of a run that may not finish). ``profile_rows``:
     also profile each variant over that many calls, for its kernel time by op (``Row.op_ms``:
     where a prediction and a measurement part, :func:`op_deltas` says which ops).
+    ``paired``: keep the all-passes variant and time it again right after every later row
+    (``Row.ref_ms``, ``Row.ref_graph_ms``), so each leave-one-out saving is a difference of two
+    timings taken back to back; the GPU's drift over a run (+-2 ms on a 100 ms W1 call on the
+    H200) otherwise goes into every saving. Holds a second variant's memory.
     """
     context: tuple[str, ...] = ()
     if passes is not None:
@@ -384,9 +414,13 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
         order, ranking=ranking, device_model=cost.device.describe() if cost else "",
         context=context)
     with torch.no_grad():
-        reference = _main(cap.gm(*cap.example_inputs)).detach().clone()
+        expected = _main(cap.gm(*cap.example_inputs)).detach().clone()
     measured: dict[PassConfig, Row] = {}
-    for v in variants(config, order, kinds, context):
+    rows = variants(config, order, kinds, context)
+    every = [v for v in rows if v.kind in ("all", "cumulative")]
+    keep = every[-1].name if paired and every else None
+    reference: _Reference | None = None
+    for v in rows:
         known = measured.get(v.config)
         if known is not None:  # the same passes under another name: measured once
             result.rows.append(dataclasses.replace(known, variant=v.name, kind=v.kind,
@@ -394,8 +428,9 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
             if on_row is not None:
                 on_row(result, result.rows[-1])
             continue
-        row = _measure(v, w, cap, verify, cost, reference, inputs, iters, warmup,
-                       profile_rows)
+        row, kept = _measure(v, w, cap, verify, cost, expected, inputs, iters, warmup,
+                             profile_rows, reference, keep=v.name == keep)
+        reference = kept or reference
         measured[v.config] = row
         result.rows.append(row)
         if on_row is not None:
@@ -411,14 +446,40 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
         gc.collect()  # the variant's packed weights and caches
         if cuda:
             torch.cuda.empty_cache()
+    del reference
     return result
+
+
+@dataclass
+class _Reference:
+    """The all-passes variant kept for paired timings: its module and CUDA-graph runner."""
+
+    gm: Any
+    runner: Any
+    step: Callable[[Callable[..., Any]], None]
+    calls: int
+    iters: int
+    warmup: int
+    device: torch.device
+
+    def time(self) -> tuple[float, float | None]:
+        """(eager, CUDA graph) ms per call now."""
+        with torch.no_grad():
+            ms = median_ms(lambda: self.step(self.gm), self.iters, self.warmup,
+                           self.device) / self.calls
+            graph = None if self.runner is None else median_ms(
+                lambda: self.step(self.runner), self.iters, self.warmup,
+                self.device) / self.calls
+        return ms, graph
 
 
 def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
              cost: CostModel | None, reference: torch.Tensor, inputs: list[list[Any]],
-             iters: int, warmup: int, profile_rows: int = 0) -> Row:
+             iters: int, warmup: int, profile_rows: int = 0, paired: _Reference | None = None,
+             *, keep: bool = False) -> tuple[Row, _Reference | None]:
     """Optimize the capture with the variant's config (verified), time it, predict it (and
-    with ``profile_rows``, profile it: its kernel time by op)."""
+    with ``profile_rows``, profile it: its kernel time by op). ``paired``: time that kept
+    variant again right after this one; ``keep``: return this variant for paired timings."""
     spec = optimize_captured(cap, v.config, verify, None, f"{w.name} [{v.name}]", 0.0)
     gm, calls = spec.gm, w.calls_per_step
     device = reference.device
@@ -426,7 +487,7 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     with torch.no_grad():
         error = relative_error(_main(gm(*cap.example_inputs)), reference)
         ms = median_ms(lambda: step(gm), iters, warmup, device) / calls
-        graph_ms, graph_error = None, None
+        graph_ms, graph_error, runner = None, None, None
         if device.type == "cuda":
             try:
                 runner = CudaGraphRunner(gm)
@@ -437,6 +498,7 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
                 log.warning("ablate %s: %s", v.name, graph_error)
                 runner = None
                 torch.cuda.synchronize()
+    ref_ms, ref_graph_ms = paired.time() if paired is not None else (None, None)
     counts = tuple(count_graph(gm))
     predicted, predicted_graph = _predict(cost, counts, device.type == "cuda")
     verified, verdict = _verdict(spec.report, verify)
@@ -450,8 +512,11 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
             if "/" not in n.name and n.ms > 0:  # top level: a hit region runs nothing
                 op = op_of.get(n.name, n.op)
                 op_ms[op] = op_ms.get(op, 0.0) + n.ms
-    return Row(v.name, v.kind, v.subject, v.passes, ms, graph_ms, predicted, predicted_graph,
-               spec.report.applied, verified, verdict, error, counts, op_ms)
+    row = Row(v.name, v.kind, v.subject, v.passes, ms, graph_ms, predicted, predicted_graph,
+              spec.report.applied, verified, verdict, error, counts, op_ms, ref_ms, ref_graph_ms)
+    kept = _Reference(gm, runner if device.type == "cuda" else None, step, calls, iters, warmup,
+                      device) if keep else None
+    return row, kept
 
 
 def _predict(cost: CostModel | None, counts: Sequence[OpCount],

@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"rows to measure (repeatable; default: {', '.join(KINDS)})")
     ab.add_argument("--iters", type=int, default=10, help="timed steps per variant (default: 10)")
     ab.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    ab.add_argument("--paired", action="store_true",
+                    help="time the all-passes row again right after every later row (each "
+                    "leave-one-out saving from two back-to-back timings)")
     ab.add_argument("--md", metavar="PATH", help="write the Markdown table here")
     ab.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
     ab.add_argument("--png", metavar="PATH", help="write the waterfall chart here (matplotlib)")
@@ -353,8 +356,8 @@ def _ablate(args: argparse.Namespace) -> int:
     del graphs
     result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
                     cost=cost, iters=args.iters, warmup=args.warmup, verify=verify,
-                    captured=cap, progress=lambda s: None if args.quiet else
-                    print(s, file=sys.stderr, flush=True))
+                    captured=cap, paired=args.paired, progress=lambda s: None if args.quiet
+                    else print(s, file=sys.stderr, flush=True))
     text = result.markdown()
     print(text)
     _file_ablation(args, result, cap)

@@ -3,6 +3,7 @@ every row is measured, predicted and verified, and the writers produce what they
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -73,6 +74,37 @@ def test_ablating_some_passes_measures_them_on_top_of_the_rest() -> None:
     assert result.baseline.sites > 0  # the context's rewrites
     assert result.row("all").sites > result.row("all - merge_projections").sites
     assert "not ablated" in result.markdown()
+
+
+def test_paired_rows_time_the_all_passes_row_again_and_savings_use_that_timing() -> None:
+    """With ``paired``, every row after ``all`` carries a re-timing of ``all`` taken right
+    after it, and a leave-one-out saving is the row less its own re-timing: a drift between
+    the first timing of ``all`` and a later row does not go into the saving."""
+    w = build("llm-tiny")
+    result = ablate(w, PassConfig(), passes=("merge_projections", "cse"),
+                    kinds=("leave-one-out",), iters=1, warmup=1,
+                    verify=VerifyOptions(enabled=False), paired=True)
+    assert result.baseline.ref_ms is None and result.row("all").ref_ms is None
+    loo = [r for r in result.rows if r.kind == "leave-one-out"]
+    assert loo and all(r.ref_ms is not None and r.ref_ms > 0 for r in loo)
+    savings = result.savings("leave-one-out")
+    for r in loo:
+        assert savings[r.subject][1] == pytest.approx(r.ms - r.ref_ms)
+    lo, hi = result.reference_spread()
+    assert lo <= result.row("all").ms <= hi
+    assert "Paired: the all-passes row was timed again" in result.markdown()
+
+    # a drift of +10 ms after the first timing of ``all``: unpaired, every saving grows by it
+    drifted = dataclasses.replace(result, rows=[
+        dataclasses.replace(r, ms=r.ms + 10.0, ref_ms=r.ref_ms + 10.0) if r.ref_ms is not None
+        else r for r in result.rows])
+    for name, (_, saved) in drifted.savings("leave-one-out").items():
+        assert saved == pytest.approx(savings[name][1])
+    unpaired = dataclasses.replace(drifted, rows=[dataclasses.replace(r, ref_ms=None)
+                                                  for r in drifted.rows])
+    for name, (_, saved) in unpaired.savings("leave-one-out").items():
+        assert saved == pytest.approx(savings[name][1] + 10.0 + (
+            result.row(f"all - {name}").ref_ms - result.row("all").ms))
 
 
 def test_spearman() -> None:
