@@ -474,7 +474,7 @@ class _Reference:
 
 
 def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
-             cost: CostModel | None, reference: torch.Tensor, inputs: list[list[Any]],
+             cost: CostModel | None, expected: torch.Tensor, inputs: list[list[Any]],
              iters: int, warmup: int, profile_rows: int = 0, paired: _Reference | None = None,
              *, keep: bool = False) -> tuple[Row, _Reference | None]:
     """Optimize the capture with the variant's config (verified), time it, predict it (and
@@ -482,10 +482,10 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     variant again right after this one; ``keep``: return this variant for paired timings."""
     spec = optimize_captured(cap, v.config, verify, None, f"{w.name} [{v.name}]", 0.0)
     gm, calls = spec.gm, w.calls_per_step
-    device = reference.device
+    device = expected.device
     step = stepper(itertools.cycle(inputs), calls)
     with torch.no_grad():
-        error = relative_error(_main(gm(*cap.example_inputs)), reference)
+        error = relative_error(_main(gm(*cap.example_inputs)), expected)
         ms = median_ms(lambda: step(gm), iters, warmup, device) / calls
         graph_ms, graph_error, runner = None, None, None
         if device.type == "cuda":

@@ -218,9 +218,9 @@ def layout(node: fx.Node) -> str:
     ``broadcast`` (a point-wise op with an operand smaller than its output: a bias or a
     modulation vector), ``strided`` (a non-contiguous operand or output: a slice of a merged
     projection, a transposed view), ``""`` (all contiguous, the same shape). ATen's
-    element-wise kernels vectorize only contiguous operands; on an H200 a bias add over a whole
-    activation runs at about half the rate of a plain add. Read from the traced tensors, so the
-    class holds for every size of a symbolic graph."""
+    element-wise kernels vectorize only contiguous operands; fitted to W1 on an H200, a bias
+    add over a whole activation runs at 0.39 of the copy bandwidth, a plain add at 1.08. Read
+    from the traced tensors, so the class holds for every size of a symbolic graph."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" \
             or op_category(qualified_name(target)) != "elementwise":
