@@ -671,6 +671,45 @@ def test_an_ablation_files_savings_and_the_passes_that_lose_as_dead_ends(
         "slower-under-cuda-graphs",)
 
 
+def test_a_loss_within_the_paired_spread_is_noise_and_a_later_saving_lifts_a_dead_end(
+        kb: KnowledgeBase) -> None:
+    """In a paired ablation a loss smaller than the all-passes row's spread over the run is
+    not a dead end; a loss beyond it is. A later ablation that measures the pass saving more
+    than its noise in every mode lifts the dead end (an accepted verdict of the ablation);
+    one within the noise leaves it in force."""
+    import dataclasses
+
+    from kopt.kb.verdicts import record_ablation
+
+    def paired(rows: dict[str, tuple[float, float]], ref: tuple[float, float]):  # noqa: ANN202
+        out = _ablation(rows)  # every leave-one-out row re-timed the all-passes row at ``ref``
+        out.rows = [dataclasses.replace(r, ref_ms=ref[0], ref_graph_ms=ref[1])
+                    if r.kind == "leave-one-out" else r for r in out.rows]
+        return out
+
+    # the all-passes row measured 100 then 102 (graph: 90 then 92): 2 ms of drift
+    drifted = paired({"baseline": (130.0, 120.0), "all": (100.0, 90.0),
+                      "all - cse": (100.6, 90.6),  # -1.4 ms against its paired 102 / 92
+                      "all - fp8": (98.0, 88.0)}, ref=(102.0, 92.0))  # -4 ms: beyond 2 ms
+    assert drifted.savings("leave-one-out")["cse"][1] == pytest.approx(-1.4)
+    record_ablation(kb, drifted, "W1", H200)
+    assert kb.dead_end("cse", H200, "W1") is None  # a loss over 0.5%, but within the drift
+    assert kb.dead_end("fp8", H200, "W1") is not None
+
+    within = paired({"baseline": (130.0, 120.0), "all": (100.0, 90.0),
+                     "all - fp8": (101.0, 91.0)}, ref=(100.0, 90.0))  # +1 ms, noise 0.5
+    unsure = paired({"baseline": (130.0, 120.0), "all": (100.0, 90.0),
+                     "all - fp8": (100.3, 90.3)}, ref=(100.0, 90.0))  # +0.3 ms: noise
+    record_ablation(kb, unsure, "W1", H200)
+    assert kb.dead_end("fp8", H200, "W1") is not None
+    lines = record_ablation(kb, within, "W1", H200)
+    assert kb.dead_end("fp8", H200, "W1") is None
+    lifted = [v for v in kb.verdicts() if v.rewrite == "fp8" and v.verdict == "accepted"]
+    assert len(lifted) == 1 and lifted[0].origin == "ablation"
+    assert "saves 1.000 ms per call CUDA graph" in lifted[0].cause
+    assert any("fp8 is no longer a dead end" in line for line in lines)
+
+
 def test_cli_ablate_files_dead_ends_that_optimize_then_skips(tmp_path: Path, capsys,  # noqa: ANN001
                                                               monkeypatch) -> None:  # noqa: ANN001
     """`kopt ablate` files its measurements; a pass it measured as slower is skipped by the
