@@ -69,6 +69,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     quant_fp8_rowwise_reference,
     row_tiling,
 )
+from kopt.codegen.ops import define
 from kopt.codegen.pointwise import (
     _EVAL,
     DT_CODE,
@@ -810,31 +811,33 @@ def rowwise_triton(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
 
 
 # ------------------------------------------------------------------------------------------------
-# The custom op
+# The op (kopt.codegen.ops: no custom_op layers on the hot path)
 
-@torch.library.custom_op("kopt::rowwise", mutates_args=())
-def rowwise_op(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+def _rowwise_reference_op(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     s = _parse_spec(spec)
     res = rowwise_reference(s, inputs)
-    # an output may be an input itself (no step changed it); custom ops must not alias inputs
+    # an output may be an input itself (no step changed it); an op's outputs must not alias
+    # its inputs
     taken = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
     outs = [res[n] for n in s.output_names()]
     return [o.clone() if o.numel() and o.untyped_storage().data_ptr() in taken else o
             for o in outs]
 
 
-@rowwise_op.register_fake
-def _(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+def _rowwise_fake(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     s = _parse_spec(spec)
     c = _check_call(s, inputs)
     out = _allocate(c)
     return [out[n] for n in s.output_names()]
 
 
-@rowwise_op.register_kernel("cuda")
-def _(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+def _rowwise_cuda(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     # the outputs are allocated in the op's output order (:func:`_allocate`)
     return list(rowwise_triton(_parse_spec(spec), inputs).values())
+
+
+rowwise_op = define("rowwise", "(Tensor[] inputs, str spec) -> Tensor[]", _rowwise_reference_op,
+                    fake=_rowwise_fake, cuda=_rowwise_cuda)
 
 
 @fp64_reference(torch.ops.kopt.rowwise.default)

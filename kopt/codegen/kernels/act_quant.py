@@ -51,6 +51,7 @@ from triton.language.extra import libdevice
 from kopt.codegen import fp64_reference
 from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
 from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, MIN_AMAX, quant_fp8_rowwise_reference
+from kopt.codegen.ops import define
 from kopt.codegen.pointwise import fp32
 
 ACTIVATIONS = ("silu_mul", "gelu_tanh", "gelu_erf")
@@ -374,32 +375,35 @@ def cat_act_quant_reference(other: torch.Tensor, x: torch.Tensor, up: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------
-# The custom op
+# The ops (kopt.codegen.ops: no custom_op layers on the hot path)
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("kopt::act_quant_fp8_rowwise", mutates_args=())
-def act_quant_fp8_rowwise(x: torch.Tensor, up: torch.Tensor | None,
-                          activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_quant_fp8_rowwise_reference(x: torch.Tensor, up: torch.Tensor | None,
+                                     activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     check_args(x, up, activation)
     return act_quant_reference(x, up, activation)
 
 
-@act_quant_fp8_rowwise.register_kernel("cuda")
-def _(x: torch.Tensor, up: torch.Tensor | None,
-      activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_quant_fp8_rowwise_cuda(x: torch.Tensor, up: torch.Tensor | None,
+                                activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype in KERNEL_DTYPES:
         return act_quant_triton(x, up, activation)
     check_args(x, up, activation)  # fp64 (verification's reference run): the reference
     return act_quant_reference(x, up, activation)
 
 
-@act_quant_fp8_rowwise.register_fake
-def _(x: torch.Tensor, up: torch.Tensor | None,
-      activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_quant_fp8_rowwise_fake(x: torch.Tensor, up: torch.Tensor | None,
+                                activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     check_args(x, up, activation)
     n = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     return (torch.empty((rows, n), dtype=E4M3, device=x.device),
             torch.empty((rows, 1), dtype=torch.float32, device=x.device))
+
+
+act_quant_fp8_rowwise = define(
+    "act_quant_fp8_rowwise", "(Tensor x, Tensor? up, str activation) -> (Tensor, Tensor)",
+    _act_quant_fp8_rowwise_reference, fake=_act_quant_fp8_rowwise_fake,
+    cuda=_act_quant_fp8_rowwise_cuda)
 
 
 @fp64_reference(torch.ops.kopt.act_quant_fp8_rowwise.default)
@@ -410,10 +414,10 @@ def _act_quant64(x: torch.Tensor, up: torch.Tensor | None,
     return act_quant_reference(x, up, activation)
 
 
-@torch.library.custom_op("kopt::cat_act_quant_fp8_rowwise", mutates_args=())
-def cat_act_quant_fp8_rowwise(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None,
-                              activation: str, other_first: bool
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _cat_act_quant_fp8_rowwise_reference(
+    other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation: str,
+    other_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant(cat([other, act(x, up)], -1))`` (or ``[act, other]``): FLUX.2's single-stream
     blocks quantize the attention output and the SwiGLU output side by side for one GEMM."""
     check_args(x, up, activation)
@@ -421,9 +425,10 @@ def cat_act_quant_fp8_rowwise(other: torch.Tensor, x: torch.Tensor, up: torch.Te
     return cat_act_quant_reference(other, x, up, activation, other_first)
 
 
-@cat_act_quant_fp8_rowwise.register_kernel("cuda")
-def _(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation: str,
-      other_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _cat_act_quant_fp8_rowwise_cuda(
+    other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation: str,
+    other_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype in KERNEL_DTYPES:
         return act_quant_triton(x, up, activation, other=other, other_first=other_first)
     check_args(x, up, activation)
@@ -431,14 +436,22 @@ def _(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation:
     return cat_act_quant_reference(other, x, up, activation, other_first)
 
 
-@cat_act_quant_fp8_rowwise.register_fake
-def _(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation: str,
-      other_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _cat_act_quant_fp8_rowwise_fake(
+    other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | None, activation: str,
+    other_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_args(x, up, activation)
     check_other(other, x)
     rows = math.prod(x.shape[:-1])
     return (torch.empty((rows, x.shape[-1] + other.shape[-1]), dtype=E4M3, device=x.device),
             torch.empty((rows, 1), dtype=torch.float32, device=x.device))
+
+
+cat_act_quant_fp8_rowwise = define(
+    "cat_act_quant_fp8_rowwise",
+    "(Tensor other, Tensor x, Tensor? up, str activation, bool other_first) -> (Tensor, Tensor)",
+    _cat_act_quant_fp8_rowwise_reference, fake=_cat_act_quant_fp8_rowwise_fake,
+    cuda=_cat_act_quant_fp8_rowwise_cuda)
 
 
 @fp64_reference(torch.ops.kopt.cat_act_quant_fp8_rowwise.default)
@@ -447,9 +460,8 @@ def _cat_act_quant64(other: torch.Tensor, x: torch.Tensor, up: torch.Tensor | No
     return cat_act_quant_reference(other, x, up, activation, other_first)
 
 
-@torch.library.custom_op("kopt::fused_act", mutates_args=())
-def fused_act(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None,
-              activation: str, other_first: bool) -> torch.Tensor:
+def _fused_act_reference(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None,
+                         activation: str, other_first: bool) -> torch.Tensor:
     """``act(x, up)`` in one kernel (SwiGLU: one instead of two), written beside ``other``
     when given (``cat([other, act], -1)``, or ``[act, other]``): no copy for the cat."""
     check_args(x, up, activation)
@@ -458,23 +470,27 @@ def fused_act(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | No
     return act_reference(other, x, up, activation, other_first).contiguous()
 
 
-@fused_act.register_kernel("cuda")
-def _(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None, activation: str,
-      other_first: bool) -> torch.Tensor:
+def _fused_act_cuda(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None,
+                    activation: str, other_first: bool) -> torch.Tensor:
     if x.dtype in KERNEL_DTYPES:
         return act_triton(x, up, activation, other=other, other_first=other_first)
     return act_reference(other, x, up, activation, other_first).contiguous()
 
 
-@fused_act.register_fake
-def _(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None, activation: str,
-      other_first: bool) -> torch.Tensor:
+def _fused_act_fake(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor | None,
+                    activation: str, other_first: bool) -> torch.Tensor:
     check_args(x, up, activation)
     p = 0
     if other is not None:
         check_other(other, x)
         p = other.shape[-1]
     return x.new_empty((*x.shape[:-1], x.shape[-1] + p))
+
+
+fused_act = define(
+    "fused_act",
+    "(Tensor? other, Tensor x, Tensor? up, str activation, bool other_first) -> Tensor",
+    _fused_act_reference, fake=_fused_act_fake, cuda=_fused_act_cuda)
 
 
 @fp64_reference(torch.ops.kopt.fused_act.default)

@@ -53,6 +53,7 @@ from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from kopt.codegen import fp64_reference
+from kopt.codegen.ops import define
 
 NORMS = ("rms_norm", "cast")
 ROPES = ("pairs", "complex", "half")
@@ -358,10 +359,9 @@ def qk_norm_rope_triton(
 
 
 # --------------------------------------------------------------------------------------------
-# The custom op
+# The op (kopt.codegen.ops: no custom_op layers on the hot path)
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("kopt::qk_norm_rope", mutates_args=())
-def qk_norm_rope(
+def _qk_norm_rope_reference(
     q: list[torch.Tensor], k: list[torch.Tensor],
     q_weight: list[torch.Tensor], k_weight: list[torch.Tensor],
     cos: list[torch.Tensor], sin: list[torch.Tensor],
@@ -371,10 +371,11 @@ def qk_norm_rope(
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope)
 
 
-@qk_norm_rope.register_kernel("cuda")
-def _(q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor],
-      k_weight: list[torch.Tensor], cos: list[torch.Tensor], sin: list[torch.Tensor],
-      eps: float, norm: str, rope: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _qk_norm_rope_cuda(
+    q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor],
+    k_weight: list[torch.Tensor], cos: list[torch.Tensor], sin: list[torch.Tensor],
+    eps: float, norm: str, rope: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     weights_ok = norm != "cast" or all(w.dtype == q[0].dtype for w in (*q_weight, *k_weight))
     if q[0].dtype in KERNEL_DTYPES and weights_ok:
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, norm, rope)
@@ -383,14 +384,21 @@ def _(q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor]
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope)
 
 
-@qk_norm_rope.register_fake
-def _(q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor],
-      k_weight: list[torch.Tensor], cos: list[torch.Tensor], sin: list[torch.Tensor],
-      eps: float, norm: str, rope: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _qk_norm_rope_fake(
+    q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor],
+    k_weight: list[torch.Tensor], cos: list[torch.Tensor], sin: list[torch.Tensor],
+    eps: float, norm: str, rope: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_args(q, k, q_weight, k_weight, cos, sin, norm, rope)
     b, _, hq, d = q[0].shape
     s_out = sum(t.shape[1] for t in q)
     return (q[0].new_empty((b, s_out, hq, d)), k[0].new_empty((b, s_out, k[0].shape[2], d)))
+
+
+qk_norm_rope = define(
+    "qk_norm_rope", "(Tensor[] q, Tensor[] k, Tensor[] q_weight, Tensor[] k_weight, Tensor[] cos, "
+    "Tensor[] sin, float eps, str norm, str rope) -> (Tensor, Tensor)",
+    _qk_norm_rope_reference, fake=_qk_norm_rope_fake, cuda=_qk_norm_rope_cuda)
 
 
 @fp64_reference(torch.ops.kopt.qk_norm_rope.default)

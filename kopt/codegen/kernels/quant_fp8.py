@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kopt.codegen.ops import define
 from kopt.codegen.pointwise import pw_div, pw_div_const, reciprocal_fp32
 
 E4M3 = torch.float8_e4m3fn
@@ -61,13 +62,11 @@ def quant_fp8_rowwise_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, scale
 
 
-@torch.library.custom_op("kopt::quant_fp8_rowwise", mutates_args=())
-def quant_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_fp8_rowwise_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_fp8_rowwise_reference(x)
 
 
-@quant_fp8_rowwise.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_fp8_rowwise_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     return q, scale
@@ -96,13 +95,11 @@ def quant_fp8_group_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, out_scale
 
 
-@torch.library.custom_op("kopt::quant_fp8_group", mutates_args=())
-def quant_fp8_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_fp8_group_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_fp8_group_reference(x)
 
 
-@quant_fp8_group.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_fp8_group_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = math.prod(x.shape[:-1])
     return (torch.empty(x.shape, dtype=E4M3, device=x.device),
             group_scale_empty(rows, x.shape[-1], x.device))
@@ -266,5 +263,9 @@ def quant_fp8_group_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
-quant_fp8_rowwise.register_kernel("cuda")(quant_fp8_rowwise_triton)
-quant_fp8_group.register_kernel("cuda")(quant_fp8_group_triton)
+quant_fp8_rowwise = define("quant_fp8_rowwise", "(Tensor x) -> (Tensor, Tensor)",
+                           _quant_fp8_rowwise_reference, fake=_quant_fp8_rowwise_fake,
+                           cuda=quant_fp8_rowwise_triton)
+quant_fp8_group = define("quant_fp8_group", "(Tensor x) -> (Tensor, Tensor)",
+                         _quant_fp8_group_reference, fake=_quant_fp8_group_fake,
+                         cuda=quant_fp8_group_triton)
