@@ -603,3 +603,17 @@ def test_a_reshape_that_can_view_its_input_is_a_view_whatever_its_traced_storage
     assert is_view(flat) and count_node(flat).bytes == 0
     assert not is_view(copy) and count_node(copy).bytes == 2 * 48 * 64 * 4
 
+
+
+def test_a_fit_says_when_a_profile_ran_slower_than_the_timed_calls() -> None:
+    """A CUDA graph whose profiled kernels add up to more than its timed call (one stream
+    cannot) is named in the fitted model's source; one within its wall time is not."""
+    counts = [_count(f"m{i}", "aten::mul", 4.247e8 * (1 + i % 4)) for i in range(8)]
+    nodes = {c.node: NodeCost(c.node, c.op, ms=H200.kernel_ms(c), calls=1, host_ms=0.01,
+                              min_ms=H200.kernel_ms(c)) for c in counts}
+    kernels = sum(n.ms for n in nodes.values())
+    trace = Attribution("cuda", 1, nodes, {}, 1.0)
+    slow = fit_counted([(counts, trace)], base=H200, wall_ms=[kernels / 1.25])
+    assert "graph 1 1.25x" in slow.source and "its rates are pessimistic" in slow.source
+    fine = fit_counted([(counts, trace)], base=H200, wall_ms=[kernels * 1.1])
+    assert "pessimistic" not in fine.source
