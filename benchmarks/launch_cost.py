@@ -9,8 +9,9 @@ keeps up), the op through the dispatcher, the CUDA implementation without it
 launch of a prepared call alone (``kernel[grid](...)``), and the same kernel launched through
 its compiled handle (``CompiledKernel[grid]``, bypassing the JIT's argument binding), checked
 bitwise against the JIT launch. Also the dispatcher's own cost: the same CUDA implementation
-registered as a plain ``torch.library.Library`` op, the op under ``torch.inference_mode``
-(no autograd layer), and a custom op that only allocates its output. Session 7 measured
+registered as a ``torch.library.custom_op`` (as kopt registered it until session 7; now
+``kopt.codegen.ops``), the op under ``torch.inference_mode`` (no autograd layer), and a custom
+op that only allocates its output. Session 7 measured
 110-255 us per kopt launch in W1's eager graph (``benchmarks/host_cost.py``) against 38 us for
 a cuBLAS GEMM.
 """
@@ -78,11 +79,21 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-# the same op's CUDA implementation registered without torch.library.custom_op's layers
-_LIB = torch.library.Library("kopt_probe", "DEF")
-_LIB.define("rowwise(Tensor[] inputs, str spec) -> Tensor[]")
-_LIB.impl("rowwise", lambda inputs, spec: list(rw.rowwise_triton(rw._parse_spec(spec),
-                                                                 inputs).values()), "CUDA")
+# the same CUDA implementation as a torch.library.custom_op: kopt's registration until
+# session 7 (kopt.codegen.ops now registers it without custom_op's layers)
+@torch.library.custom_op("kopt_probe::rowwise", mutates_args=())
+def rowwise_custom_op(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    raise NotImplementedError("the probe runs it on CUDA only")
+
+
+@rowwise_custom_op.register_kernel("cuda")
+def _(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    return list(rw.rowwise_triton(rw._parse_spec(spec), inputs).values())
+
+
+@rowwise_custom_op.register_fake
+def _(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    return rw._rowwise_fake(inputs, spec)
 
 
 def inference(f: Callable[[], Any]) -> Callable[[], Any]:
@@ -112,13 +123,13 @@ def main() -> None:
     n = args.calls
     launch = rw.prepare_launch(spec, inputs)
     rows = [
-        ("torch.ops.kopt.rowwise (dispatcher + CUDA impl)",
+        ("torch.ops.kopt.rowwise (dispatcher + CUDA impl; kopt.codegen.ops registration)",
          per_call_us(lambda: torch.ops.kopt.rowwise.default(inputs, spec_text), n)),
         ("rowwise_triton (no dispatcher)", per_call_us(lambda: rw.rowwise_triton(spec, inputs), n)),
         ("prepare_launch (plan + allocate outputs)",
          per_call_us(lambda: rw.prepare_launch(spec, inputs), n)),
         ("kernel[grid](...) (Triton JIT launch)", per_call_us(lambda: rw._run(launch), n)),
-        ("the CUDA implementation as a torch.library.Library op (no custom_op layers)",
+        ("the same as a torch.library.custom_op (kopt's registration until session 7)",
          per_call_us(lambda: torch.ops.kopt_probe.rowwise.default(inputs, spec_text), n)),
         ("the same under torch.inference_mode (no autograd key)",
          per_call_us(inference(lambda: torch.ops.kopt.rowwise.default(inputs, spec_text)), n)),
