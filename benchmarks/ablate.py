@@ -30,8 +30,9 @@ machine, without the GPU:
 the ops its saving is made of, predicted against measured kernel time -- where a miss comes from.
 
 ``--paired`` times the all-passes row again right after every later row, so each leave-one-out
-saving is a difference of two back-to-back timings: the GPU's drift over a run (about +-2 ms
-per row on a 100 ms W1 call) stays out of it; ``ablation.md`` gives the all-passes row's spread.
+saving is a difference of two back-to-back timings and the GPU's drift between rows stays out
+of it (the same W1 row measured about +-2 ms apart across runs of a 103 ms call);
+``ablation.md`` gives the all-passes row's spread over the run.
 
 ``--calibrate-only`` stops after the fit: a new calibration of the same workload, checked
 against an earlier run's rows with ``--replay OLD --device-model NEW/device_model.json``.

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
-from typing import Any
 
 import torch
 from torch import fx
@@ -31,30 +29,6 @@ from kopt.models import build
 from kopt.passes.config import FP8Config, PassConfig
 from kopt.profile import host_times, profile_graph
 from kopt.verify import VerifyOptions
-
-
-def drained_host_times(gm: fx.GraphModule, inputs: list[Any], iters: int) -> dict[str, float]:
-    """Like :func:`kopt.profile.host_times`, with the device idle before each node."""
-    clock = time.perf_counter_ns
-    best: dict[str, int] = {}
-    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in inputs)
-
-    class Timed(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = clock()
-            out = super().run_node(n)
-            t = clock() - t0
-            best[n.name] = min(t, best.get(n.name, t))
-            return out
-
-    with torch.no_grad():
-        for _ in range(iters + 1):
-            Timed(gm).run(*inputs)
-    floor = min(best[n.name] for n in gm.graph.nodes if n.op == "placeholder")
-    return {n.name: max(best[n.name] - floor, 0) / 1e6 for n in gm.graph.nodes
-            if n.op == "call_function" and n.name in best}
 
 
 def per_op(gm: fx.GraphModule, times: dict[str, float]) -> dict[str, list[float]]:
@@ -83,7 +57,7 @@ def main() -> None:
     inputs = list(cap.example_inputs)
     wall = best_ms(gm, inputs, args.iters)
     queued = per_op(gm, host_times(gm, inputs, args.iters))
-    drained = per_op(gm, drained_host_times(gm, inputs, args.iters))
+    drained = per_op(gm, host_times(gm, inputs, args.iters, drain=True))
     profile_graph(gm, inputs, iters=3)
     after = per_op(gm, host_times(gm, inputs, args.iters))
     wall_after = best_ms(gm, inputs, args.iters)

@@ -1,6 +1,6 @@
 """Where a kopt custom op's host time per launch goes, layer by layer (CUDA).
 
-    python benchmarks/launch_cost.py [--calls 500]
+    python benchmarks/launch_cost.py [--calls 500] [--device cpu]
 
 Takes the first ``kopt::rowwise`` call of qwen-image-tiny optimized with FP8 (its real spec
 and inputs) and times, per call (host only: the kernels are a few microseconds, so the device
@@ -13,7 +13,8 @@ registered as a ``torch.library.custom_op`` (as kopt registered it until session
 ``kopt.codegen.ops``), the op under ``torch.inference_mode`` (no autograd layer), and a custom
 op that only allocates its output. Session 7 measured
 110-255 us per kopt launch in W1's eager graph (``benchmarks/host_cost.py``) against 38 us for
-a cuBLAS GEMM.
+a cuBLAS GEMM. ``--device cpu`` times the dispatcher rows only, the body being the PyTorch
+reference (``_rowwise_reference_op``) there.
 """
 
 from __future__ import annotations
@@ -35,21 +36,22 @@ from kopt.verify import VerifyOptions
 
 
 def per_call_us(f: Callable[[], Any], calls: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(10):
         f()
-    torch.cuda.synchronize()
+    sync()
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter_ns()
         for _ in range(calls):
             f()
         best = min(best, (time.perf_counter_ns() - t0) / calls / 1e3)
-        torch.cuda.synchronize()
+        sync()
     return best
 
 
-def first_rowwise_call() -> tuple[list[torch.Tensor], str]:
-    w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
+def first_rowwise_call(device: str) -> tuple[list[torch.Tensor], str]:
+    w = build("qwen-image-tiny", device=device, dtype=torch.bfloat16)
     cap = capture_module(w.model, w.args, w.kwargs)
     config = PassConfig(fp8=FP8Config(min_features=16))
     gm = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0).gm
@@ -83,7 +85,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 # session 7 (kopt.codegen.ops now registers it without custom_op's layers)
 @torch.library.custom_op("kopt_probe::rowwise", mutates_args=())
 def rowwise_custom_op(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    raise NotImplementedError("the probe runs it on CUDA only")
+    return rw._rowwise_reference_op(inputs, spec)
 
 
 @rowwise_custom_op.register_kernel("cuda")
@@ -117,18 +119,27 @@ def compiled_runner(launch: rw.Launch) -> Callable[[], None]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--device", default="cuda", help="cuda; cpu: the dispatcher rows only")
     args = p.parse_args()
-    inputs, spec_text = first_rowwise_call()
+    inputs, spec_text = first_rowwise_call(args.device)
     spec = rw._parse_spec(spec_text)
     n = args.calls
-    launch = rw.prepare_launch(spec, inputs)
-    rows = [
-        ("torch.ops.kopt.rowwise (dispatcher + CUDA impl; kopt.codegen.ops registration)",
-         per_call_us(lambda: torch.ops.kopt.rowwise.default(inputs, spec_text), n)),
-        ("rowwise_triton (no dispatcher)", per_call_us(lambda: rw.rowwise_triton(spec, inputs), n)),
-        ("prepare_launch (plan + allocate outputs)",
-         per_call_us(lambda: rw.prepare_launch(spec, inputs), n)),
-        ("kernel[grid](...) (Triton JIT launch)", per_call_us(lambda: rw._run(launch), n)),
+    rows = [("torch.ops.kopt.rowwise (dispatcher + implementation; kopt.codegen.ops "
+             "registration)",
+             per_call_us(lambda: torch.ops.kopt.rowwise.default(inputs, spec_text), n))]
+    if args.device == "cpu":
+        rows.append(("the reference body alone (no dispatcher)",
+                     per_call_us(lambda: rw._rowwise_reference_op(inputs, spec_text), n)))
+    else:
+        launch = rw.prepare_launch(spec, inputs)
+        rows += [
+            ("rowwise_triton (no dispatcher)",
+             per_call_us(lambda: rw.rowwise_triton(spec, inputs), n)),
+            ("prepare_launch (plan + allocate outputs)",
+             per_call_us(lambda: rw.prepare_launch(spec, inputs), n)),
+            ("kernel[grid](...) (Triton JIT launch)", per_call_us(lambda: rw._run(launch), n)),
+        ]
+    rows += [
         ("the same as a torch.library.custom_op (kopt's registration until session 7)",
          per_call_us(lambda: torch.ops.kopt_probe.rowwise.default(inputs, spec_text), n)),
         ("the same under torch.inference_mode (no autograd key)",
@@ -137,6 +148,14 @@ def main() -> None:
          per_call_us(lambda: torch.ops.kopt_probe.alloc.default(inputs[0]), n)),
         ("torch.empty_like alone", per_call_us(lambda: torch.empty_like(inputs[0]), n)),
     ]
+    device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+    print(f"kopt::rowwise on {device} (inputs {shapes}; least over 5 rounds of {n} calls, "
+          "us per call)")
+    if args.device == "cpu":
+        for name, us in rows:
+            print(f"  {us:8.1f}  {name}")
+        return
     try:
         run = compiled_runner(launch)
         rw._run(launch)
@@ -152,9 +171,7 @@ def main() -> None:
                      per_call_us(run, n)))
     except Exception as e:  # noqa: BLE001 -- the probe reports what this Triton does not have
         rows.append((f"CompiledKernel[grid](...): failed ({type(e).__name__}: {e})", float("nan")))
-    shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
-    print(f"kopt::rowwise on {torch.cuda.get_device_name()} (inputs {shapes}; {len(launch.args)} "
-          f"kernel arguments; least over 5 rounds of {n} calls, us per call)")
+    print(f"  ({len(launch.args)} kernel arguments)")
     for name, us in rows:
         print(f"  {us:8.1f}  {name}")
 

@@ -383,8 +383,9 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
     where a prediction and a measurement part, :func:`op_deltas` says which ops).
     ``paired``: keep the all-passes variant and time it again right after every later row
     (``Row.ref_ms``, ``Row.ref_graph_ms``), so each leave-one-out saving is a difference of two
-    timings taken back to back; the GPU's drift over a run (+-2 ms on a 100 ms W1 call on the
-    H200) otherwise goes into every saving. Holds a second variant's memory.
+    timings taken back to back, and the GPU's drift between rows stays out of it (on the H200
+    the same W1 row measured +-2 ms apart across runs of a 103 ms call; within one run it is
+    what this measures). Holds a second variant's memory.
     """
     context: tuple[str, ...] = ()
     if passes is not None:

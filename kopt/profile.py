@@ -268,19 +268,25 @@ def _enclosing_node(e: Any) -> str | None:
     return _enclosing(e, PREFIX)
 
 
-def host_times(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5) -> dict[str, float]:
+def host_times(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5, *,
+               drain: bool = False) -> dict[str, float]:
     """Host time (ms) of each computing node's call, without the profiler: the least over
     ``iters`` calls (after one warm-up) of the wall time around it, less the per-node cost of
     timing it (measured on the graph's placeholders, which do nothing). On CUDA, where
     launches return at once, this is what the node costs the host -- as long as the device
     keeps up (a full launch queue makes a launch wait: a device-bound graph's host times are
-    upper bounds). The profiler's own op times inflate the host's by its recording, more for
-    an op that calls many others (kopt's custom ops)."""
+    upper bounds; ``drain`` waits for the device, outside the timed span, before each node).
+    The profiler's own op times inflate the host's by its recording, more for an op that
+    calls many others (kopt's custom ops)."""
     clock = time.perf_counter_ns
     best: dict[str, int] = {}
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in inputs)
+    sync = torch.cuda.synchronize if cuda and drain else None
 
     class Timed(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
+            if sync is not None:
+                sync()
             t0 = clock()
             out = super().run_node(n)
             t = clock() - t0
@@ -292,7 +298,6 @@ def host_times(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5) -> dic
     with torch.no_grad():
         for _ in range(iters + 1):
             runner.run(*inputs)
-    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in inputs)
     if cuda:
         torch.cuda.synchronize()
     empty = [best[n.name] for n in gm.graph.nodes if n.op == "placeholder" and n.name in best]
