@@ -6,7 +6,8 @@ one family does not lose the others), results as JSON in one folder.
 Families: ``rowwise`` (norm/residual/modulation + quantization template, FP8/NVFP4 producers:
 benchmarks/kernels_rowwise.py), ``gemm`` (FP8 GEMM template vs torch._scaled_mm, fused
 epilogues: benchmarks/kernels_gemm.py), ``specialised`` (QK-norm+RoPE, activation+quantization:
-benchmarks/kernels_specialised.py). Each compares kopt's kernel with the unfused eager ops and
+benchmarks/kernels_specialised.py), ``cat`` (the joint-V concatenation as row copies:
+benchmarks/kernels_cat.py). Each compares kopt's kernel with the unfused eager ops and
 with Inductor's kernel for the same subgraph; see those files for the method.
 """
 
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-FAMILIES = ("rowwise", "gemm", "specialised")
+FAMILIES = ("rowwise", "gemm", "specialised", "cat")
 
 
 def command(family: str, out: Path, workload: str | None) -> list[str]:

@@ -122,7 +122,7 @@ def _nbytes(tensors: object) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[union-attr]
 
 
-def _device_ms(fn: Callable[..., object], input_sets: list[dict]) -> float:
+def device_ms(fn: Callable[..., object], input_sets: list[dict]) -> float:
     """Median device time of one call: a CUDA graph of calls over rotating input sets."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -139,7 +139,7 @@ def _device_ms(fn: Callable[..., object], input_sets: list[dict]) -> float:
     return do_bench(graph.replay, return_mode="median") / len(input_sets)
 
 
-def _copy_gbps() -> float:
+def copy_gbps() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
     ms = do_bench(lambda: torch.empty_like(x).copy_(x), return_mode="median")
     return 2 * x.numel() / ms / 1e6
@@ -171,9 +171,9 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
     moved = _nbytes(one) + _nbytes(case.reference(**one))
     n_sets = max(2, -(-4 * L2_BYTES // moved))
     sets = [one] + [case.inputs(rows, cols, g) for _ in range(n_sets - 1)]
-    t_kopt = _device_ms(case.kopt, sets)
-    t_eager = _device_ms(case.reference, sets)
-    t_ind = _device_ms(torch.compile(case.reference), sets)
+    t_kopt = device_ms(case.kopt, sets)
+    t_eager = device_ms(case.reference, sets)
+    t_ind = device_ms(torch.compile(case.reference), sets)
     t_launch = do_bench(lambda: case.kopt(**one), return_mode="median")
     row = {
         "workload": workload, "case": case.name, "rows": rows, "cols": cols, "bytes": moved,
@@ -186,7 +186,7 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
     if sweep_warps and case.spec is not None:
         # the tiling's candidates: rows per program x warps (keys "rows x warps")
         row["tiling_us"] = {
-            f"{r}x{w}": _device_ms(lambda r=r, w=w, **ins: case.kopt(num_warps=w, rows_per=r,
+            f"{r}x{w}": device_ms(lambda r=r, w=w, **ins: case.kopt(num_warps=w, rows_per=r,
                                                                      **ins), sets) * 1e3
             for r in SWEEP_ROWS for w in SWEEP_WARPS
         }
@@ -197,7 +197,7 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
 
 
 def run(workloads: list[str], cases: list[Case], sweep_warps: bool) -> dict:
-    copy = _copy_gbps()
+    copy = copy_gbps()
     rows_out = []
     for workload in workloads:
         for case in cases:

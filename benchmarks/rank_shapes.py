@@ -35,8 +35,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def predicted_loo(model: str, dtype: torch.dtype, shape: dict, config: PassConfig,
-                  device: DeviceModel) -> dict:
-    """{pass: {"eager": ms saved, "graph": ms saved}} and the all-passes predictions."""
+                  device: DeviceModel, only: tuple[str, ...] = ()) -> dict:
+    """{pass: {"eager": ms saved, "graph": ms saved}} and the all-passes predictions;
+    ``only``: leave out only these passes (default: each enabled one)."""
     w = build(model, device="meta", dtype=dtype, **shape)
     cap = capture_module(w.model, w.args, w.kwargs)
     modes = {"eager": CostModel(device, calls_per_step=w.calls_per_step),
@@ -50,6 +51,8 @@ def predicted_loo(model: str, dtype: torch.dtype, shape: dict, config: PassConfi
     every, sites = predict(config)
     saved = {}
     for name in config.enabled():
+        if only and name not in only:
+            continue
         without, s = predict(config.replace(**{name: False}))
         if s == sites:  # rewrote nothing here: the same graph
             continue
@@ -83,11 +86,16 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--disable", action="append", default=[], metavar="PASS")
+    p.add_argument("--enable", action="append", default=[], metavar="PASS",
+                   help="turn on a pass that is off by default (e.g. cat_rows)")
+    p.add_argument("--pass", dest="passes", action="append", default=[], metavar="PASS",
+                   help="leave out only these passes (default: each enabled one)")
     p.add_argument("--device-model", required=True, metavar="PATH")
     p.add_argument("--at", action="append", required=True, metavar="KEY=VALUE[,KEY=VALUE]")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    config = PassConfig().replace(**{name: False for name in args.disable})
+    config = PassConfig().replace(**{name: False for name in args.disable},
+                                  **{name: True for name in args.enable})
     if args.fp8:
         config = config.replace(fp8=FP8Config(layout="rowwise"))
     device = DeviceModel.load(args.device_model)
@@ -97,7 +105,8 @@ def main() -> None:
     for at in args.at:
         t0 = time.perf_counter()
         shape = parse_shape(at.split(","))
-        results[at] = predicted_loo(args.model, DTYPES[args.dtype], shape, config, device)
+        results[at] = predicted_loo(args.model, DTYPES[args.dtype], shape, config, device,
+                                    tuple(args.passes))
         print(f"{at}: {time.perf_counter() - t0:.0f} s", flush=True)
     command = "python benchmarks/rank_shapes.py " + " ".join(sys.argv[1:])
     text = (f"`{command}`\n\nPredicted (not measured) ms per call each pass saves on top of "

@@ -85,6 +85,12 @@ class PassConfig:
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""
 
+    cat_rows: bool = False
+    """A concatenation of strided views (the V slices of a merged QKV output joined [text;
+    image]) -> ``kopt::cat_rows``, whole-row vector copies instead of ATen's element-wise
+    copy (measured at ~560 GB/s, 5.6 ms per W1 forward on the H200). Exact. Off until the
+    kernel is measured on the H200 (built and CPU-tested in session 8)."""
+
     hoist: bool | tuple[str, ...] = True
     """Cache work that depends only on conditioning inputs (timestep modulation across a CFG
     pair); found automatically, or a tuple of input names to treat as conditioning too."""

@@ -21,6 +21,7 @@ from torch import fx
 from kopt.graph import copy_graph_module
 from kopt.kb.verdicts import pipeline_run
 from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
+from kopt.passes.cat import CatRows
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
@@ -61,6 +62,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
      lambda c: RewritePass("fuse_allreduce_norm", list(ALLREDUCE_NORM_FUSIONS))),
     ("rowwise_fusion", lambda c: RewritePass("rowwise_fusion", list(ROWWISE_FUSIONS))),
     ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
+    ("cat_rows", lambda c: CatRows()),  # the cats no fusion took, weights' folded already
     ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),
 )
 

@@ -27,6 +27,7 @@ from kopt.models import build
 from kopt.patterns.act_quant import ACT_QUANT
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.verify import RTOL_FLOOR, relative_error
+from tests.gpu.test_codegen_rowwise_gpu import near_e4m3_ties
 
 pytestmark = pytest.mark.gpu
 FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
@@ -92,6 +93,20 @@ def test_cat_act_quant_is_bitwise_equal_to_the_unfused_ops(features: int, other:
     merged = (torch.randn(333, 2 * features, device="cuda", generator=g) * 3).to(torch.bfloat16)
     x, up = merged[:, :features], merged[:, features:]
     attn = (torch.randn(333, other, device="cuda", generator=g) * 5).to(torch.bfloat16)
+    q, scale = act_quant_triton(x, up, "silu_mul", other=attn, other_first=other_first)
+    q_ref, scale_ref = cat_act_quant_reference(attn, x, up, "silu_mul", other_first)
+    _check_act_quant(q, scale, q_ref, scale_ref, "silu_mul")
+
+
+@pytest.mark.parametrize("other_first", [True, False], ids=["attention-first", "act-first"])
+def test_cat_act_quant_is_bitwise_near_e4m3_ties(other_first: bool) -> None:
+    """The concatenated part holds each row's maximum and values whose quotients x / scale
+    lie at or beside e4m3 rounding ties (see ``near_e4m3_ties``): the kernel's quotient, through
+    the scale's reciprocal and fma corrections, must round as the reference's division."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    merged = (torch.randn(333, 2 * 1000, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
+    x, up = merged[:, :1000], merged[:, 1000:]
+    attn = near_e4m3_ties(333, 6144, torch.bfloat16, seed=4)
     q, scale = act_quant_triton(x, up, "silu_mul", other=attn, other_first=other_first)
     q_ref, scale_ref = cat_act_quant_reference(attn, x, up, "silu_mul", other_first)
     _check_act_quant(q, scale, q_ref, scale_ref, "silu_mul")

@@ -28,7 +28,9 @@ kernels step by step: the activation in fp32 with libdevice's expf/tanhf/erff (w
 ``::exp``/``tanh``/``::erf`` compile to), IEEE division (``div_rn``), the fma nvcc forms in GELU's
 ``x + 0.044715 x^3`` and no other contraction, the activation rounded to x's dtype (torch stores
 it), ``amax * fp32(1/448)`` (torch's CUDA division by a Python scalar multiplies by the
-reciprocal), the quotient by a true division, and the e4m3 cast rounding to nearest even.
+reciprocal), the quotient rounded as a true division (on the GPU through the scale's reciprocal
+and two fma corrections, :func:`kopt.codegen.pointwise.pw_div_by`), and the e4m3 cast rounding
+to nearest even.
 
 ``NATIVE`` (the kernel compiled for the GPU) is False under ``TRITON_INTERPRET=1``: there is no
 libdevice there (numpy's exp/erf instead; tanh from exp, see :func:`_tanh`), and its casts
@@ -52,7 +54,7 @@ from kopt.codegen import fp64_reference
 from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
 from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, MIN_AMAX, quant_fp8_rowwise_reference
 from kopt.codegen.ops import define
-from kopt.codegen.pointwise import fp32
+from kopt.codegen.pointwise import fp32, pw_div_by, pw_recip
 
 ACTIVATIONS = ("silu_mul", "gelu_tanh", "gelu_erf")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -216,21 +218,22 @@ def _act_quant_kernel(
     else:  # its CPU kernel, which the interpreter stands in for, divides
         scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), tl.full((), _E4M3_MAX, tl.float32))
     tl.store(scale_ptr + row, scale)
+    r_scale = pw_recip(scale)
     qt = q_ptr.dtype.element_ty
     if ONE_PASS:
-        q = tl.clamp(tl.math.div_rn(a, scale), -_E4M3_MAX, _E4M3_MAX)
+        q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
         tl.store(qa_row + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
     else:
         for start in range(0, N, BLOCK):
             mask = start + cols < N
             a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
-            q = tl.clamp(tl.math.div_rn(a, scale), -_E4M3_MAX, _E4M3_MAX)
+            q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
             tl.store(qa_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
     if HAS_OTHER:
         for start in range(0, P, BLOCK):
             m = start + cols < P
             v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(v, scale), -_E4M3_MAX, _E4M3_MAX)
+            q = tl.clamp(pw_div_by(v, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
             tl.store(qo_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=m)
 
 

@@ -20,10 +20,11 @@ the transposed LHS-scale layout DeepGEMM-style sm_90 blockwise kernels read with
 
 Triton producers (registered for CUDA): bitwise equal to the PyTorch references on the same
 device. The division by 448 follows PyTorch per device (CUDA divides by a Python scalar by
-multiplying with its fp32 reciprocal, the CPU divides); ``x / scale`` is an IEEE division
-(``div_rn``); the e4m3 cast is the hardware's round-to-nearest-even on CUDA and a bit-exact
-software rounding in Triton's interpreter, whose own fp8 casts do not round to nearest even.
-NaN inputs are not supported (torch's amax propagates NaN, ``tl.max`` need not).
+multiplying with its fp32 reciprocal, the CPU divides); ``x / scale`` is rounded as an IEEE
+division (on CUDA through the scale's reciprocal and two fma corrections, ``pw_div_by``); the
+e4m3 cast is the hardware's round-to-nearest-even on CUDA and a bit-exact software rounding
+in Triton's interpreter, whose own fp8 casts do not round to nearest even. NaN inputs are not
+supported (torch's amax propagates NaN, ``tl.max`` need not).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kopt.codegen.ops import define
-from kopt.codegen.pointwise import pw_div, pw_div_const, reciprocal_fp32
+from kopt.codegen.pointwise import pw_div, pw_div_by, pw_div_const, pw_recip, reciprocal_fp32
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -47,6 +48,11 @@ GROUP = 128
 # Widest row the row-wise kernels keep in registers (one tile per program).
 MAX_COLS = 32768
 INV_E4M3_MAX = reciprocal_fp32(E4M3_MAX)
+# Widest row tile whose quotients x / scale go through the scale's reciprocal (``pw_div_by``)
+# in the per-row quantizer; wider tiles divide. Measured on the H200 (quant_variants.py): a
+# 3072-wide row 21.5 -> 17.5 us, 6144: 42.9 -> 37.4, but 12288 (a 16384 tile): 89.8 -> 99.4,
+# the whole row held in registers leaves no room for the corrections' live values.
+RECIPROCAL_MAX_BLOCK = tl.constexpr(8192)
 # the kernels below spell these constants out (constexpr literals): keep them in sync
 assert (E4M3_MAX, INV_E4M3_MAX, MIN_AMAX) == (448.0, 0.0022321429569274187, 1e-12)
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -144,7 +150,10 @@ def fp8_rowwise_store(v, row, rows, col, cols, q_ptr, s_ptr, CUDA: tl.constexpr)
     row; q is stored [rows, cols] contiguous, the scale at ``s_ptr + row``."""
     amax = tl.max(tl.abs(v), axis=1)
     scale = pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, CUDA)
-    q = pw_div(v, scale[:, None])
+    if v.shape[1] <= RECIPROCAL_MAX_BLOCK:
+        q = pw_div_by(v, scale[:, None], pw_recip(scale)[:, None], CUDA)
+    else:
+        q = pw_div(v, scale[:, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     rmask = row < rows
     offs = row.to(tl.int64)[:, None] * cols + col[None, :]
@@ -160,7 +169,10 @@ def fp8_group_store(v, row, rows, col, cols, q_ptr, s_ptr, ROWS: tl.constexpr,
     v3 = tl.reshape(v, [ROWS, BLOCK // 128, 128])
     amax = tl.max(tl.abs(v3), axis=2)
     scale = pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, CUDA)
-    q = pw_div(v3, scale[:, :, None])
+    if BLOCK <= RECIPROCAL_MAX_BLOCK:
+        q = pw_div_by(v3, scale[:, :, None], pw_recip(scale)[:, :, None], CUDA)
+    else:
+        q = pw_div(v3, scale[:, :, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     bits = tl.reshape(e4m3_bits(q, CUDA), [ROWS, BLOCK])
     rmask = row < rows

@@ -1,0 +1,76 @@
+"""Concatenations of strided views as whole-row copies.
+
+    cat([v_txt, v_img], 1) -> kopt::cat_rows([v_txt, v_img], 1)
+
+where each input is a view whose values after the cat dim are contiguous per row (a slice of a
+merged projection's output: ``[B, S, H, D]`` out of ``[B, S, 3 H D]``). ATen copies such inputs
+element by element; ``kopt::cat_rows`` copies whole rows as vectors (see
+:mod:`kopt.codegen.kernels.cat_rows`). This is the V half of a joint-attention block's
+[text; image] concatenation that ``fuse_qk_norm_rope`` leaves (Q and K are written joint by the
+fused kernel), and any other cat of such slices. A copy: exact.
+
+Runs after the passes that fuse a cat into a kernel of their own (``fuse_act_quant``,
+``fuse_act``) and after ``fold_constants`` (a cat of weights is done once at load anyway).
+Not rewritten: a cat of contiguous tensors (ATen's kernel vectorizes those), of inputs that
+cannot be viewed as rows, or of mixed dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import fx
+
+from kopt.codegen.kernels.cat_rows import cat_rows, row_view
+from kopt.graph.splice import infer_meta
+from kopt.passes.base import NodeSitePass
+from kopt.patterns.core import exact
+
+aten = torch.ops.aten
+
+
+class _Site(NamedTuple):
+    tensors: list[fx.Node]
+    dim: int
+
+
+def cat_site(node: fx.Node) -> _Site | str | None:
+    """What :class:`CatRows` rewrites at ``node``, why not, or None (not a cat)."""
+    if node.op != "call_function" or node.target is not aten.cat.default:
+        return None
+    tensors = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 \
+            or not all(isinstance(t, fx.Node) for t in tensors):
+        return None
+    vals = [t.meta.get("val") for t in tensors]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    if len({v.dtype for v in vals}) != 1 or len({v.dim() for v in vals}) != 1:
+        return "inputs of mixed dtypes or ranks"
+    if all(v.is_contiguous() for v in vals):
+        return "inputs contiguous: ATen's cat already copies them as vectors"
+    dim = dim % vals[0].dim()
+    for v in vals:
+        why = row_view(v, dim)
+        if isinstance(why, str):
+            return why
+    return _Site(list(tensors), dim)
+
+
+class CatRows(NodeSitePass):
+    name = "cat_rows"
+    numerics = exact("a copy: every value lands where torch.cat puts it")
+
+    def find(self, node: fx.Node) -> _Site | str | None:
+        return cat_site(node)
+
+    def apply(self, gm: fx.GraphModule, node: fx.Node, site: _Site) -> None:
+        g = gm.graph
+        with g.inserting_before(node):
+            new = g.call_function(cat_rows, (site.tensors, site.dim))
+        infer_meta(gm, new)
+        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
