@@ -205,6 +205,8 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="FP8 linears (rowwise unless --fp8-layout)")
     p.add_argument("--fp8-layout", choices=LAYOUTS, default="rowwise")
     p.add_argument("--disable", action="append", default=[], metavar="PASS")
+    p.add_argument("--enable", action="append", default=[], metavar="PASS",
+                   help="turn on a pass that is off by default (e.g. cat_rows)")
     p.add_argument("--pass", dest="passes", action="append", default=[], metavar="PASS",
                    help="ablate only these passes (default: every enabled one)")
     p.add_argument("--kind", dest="kinds", action="append", default=[], choices=KINDS)
@@ -237,7 +239,11 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    config = PassConfig().replace(**{name: False for name in args.disable})
+    both = set(args.enable) & set(args.disable)
+    if both:
+        p.error(f"{', '.join(sorted(both))}: both --enable and --disable")
+    config = PassConfig().replace(**{name: False for name in args.disable},
+                                  **{name: True for name in args.enable})
     if args.fp8:
         config = config.replace(fp8=FP8Config(layout=args.fp8_layout))
     t0 = time.perf_counter()

@@ -14,7 +14,8 @@ enough rotating input copies that nothing stays in L2 (do_bench flushes L2 befor
 divided by the calls in the graph. ``kopt launch`` is do_bench of a plain call (device time plus
 host overhead). GB/s counts the bytes the kernel must move (every input read once, every output
 written once); ``of copy`` is that over the copy bandwidth measured in the same run
-(``torch.empty_like(x).copy_(x)`` on 1 GiB).
+(``torch.empty_like(x).copy_(x)`` on 1 GiB), ``of same`` over that of a copy of the kernel's own
+byte count, timed the same way (:func:`same_size_copy_gbps`).
 """
 
 from __future__ import annotations
@@ -164,6 +165,17 @@ SWEEP_ROWS = (1, 2, 4)
 SWEEP_WARPS = (2, 4, 8, 16)
 
 
+def same_size_copy_gbps(moved: int) -> float:
+    """GB/s of ``dst.copy_(src)`` moving ``moved`` bytes (half read, half written), timed as
+    the kernels are: the copy bandwidth a kernel of that size can expect (at tens of MB a copy
+    reaches well under the 1 GiB figure: ramp-up and tail of one wave of blocks)."""
+    half = max(moved // 2, 1)
+    sets = [{"src": torch.empty(half, dtype=torch.uint8, device="cuda").random_(),
+             "dst": torch.empty(half, dtype=torch.uint8, device="cuda")}
+            for _ in range(max(2, -(-4 * L2_BYTES // moved)))]
+    return 2 * half / device_ms(lambda src, dst: dst.copy_(src), sets) / 1e6
+
+
 def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> dict:
     rows, cols = WORKLOADS[workload]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -175,11 +187,13 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
     t_eager = device_ms(case.reference, sets)
     t_ind = device_ms(torch.compile(case.reference), sets)
     t_launch = do_bench(lambda: case.kopt(**one), return_mode="median")
+    same = same_size_copy_gbps(moved)
     row = {
         "workload": workload, "case": case.name, "rows": rows, "cols": cols, "bytes": moved,
         "kopt_us": t_kopt * 1e3, "eager_us": t_eager * 1e3, "inductor_us": t_ind * 1e3,
         "kopt_launch_us": t_launch * 1e3, "kopt_GBps": moved / t_kopt / 1e6,
         "inductor_GBps": moved / t_ind / 1e6, "kopt_of_copy": moved / t_kopt / 1e6 / copy_gbps,
+        "same_size_copy_GBps": same, "kopt_of_same_size_copy": moved / t_kopt / 1e6 / same,
         "kopt_over_inductor": t_kopt / t_ind, "check": _check(case, one),
         "spec": case.spec.to_json() if case.spec is not None else None,
     }
@@ -210,12 +224,13 @@ def run(workloads: list[str], cases: list[Case], sweep_warps: bool) -> dict:
 
 
 HEADER = (f"{'wl':<3} {'case':<28} {'kopt us':>8} {'eager us':>9} {'ind us':>8} "
-          f"{'kopt GB/s':>9} {'of copy':>7} {'kopt/ind':>8} {'launch us':>9}  check")
+          f"{'kopt GB/s':>9} {'of copy':>7} {'of same':>7} {'kopt/ind':>8} {'launch us':>9}  check")
 
 
 def _fmt(r: dict) -> str:
     return (f"{r['workload']:<3} {r['case']:<28} {r['kopt_us']:8.1f} {r['eager_us']:9.1f} "
             f"{r['inductor_us']:8.1f} {r['kopt_GBps']:9.0f} {r['kopt_of_copy']:7.2f} "
+            f"{r['kopt_of_same_size_copy']:7.2f} "
             f"{r['kopt_over_inductor']:8.2f} {r['kopt_launch_us']:9.1f}  {r['check']}"
             + (f"  best tiling {r['best_tiling']} (rows x warps): "
                f"{r['tiling_us'][r['best_tiling']]:.1f} us, {r['best_tiling_of_copy']:.2f} of copy"
