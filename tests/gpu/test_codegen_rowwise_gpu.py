@@ -31,7 +31,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     quant_fp8_rowwise_reference,
     quant_fp8_rowwise_triton,
 )
-from kopt.codegen.pointwise import Instr, Operand, PointwiseProgram
+from kopt.codegen.pointwise import Instr, Operand, PointwiseProgram, pw_div_by, pw_recip
 from kopt.codegen.rowwise import RowwiseSpec, rowwise, rowwise_reference, rowwise_triton
 from tests.cpu.test_codegen_rowwise import (
     ALL_OUTPUTS,
@@ -175,6 +175,40 @@ def _e4m3_kernel(v_ptr, hw_ptr, sw_ptr, n, BLOCK: tl.constexpr):
     v = tl.load(v_ptr + offs, mask=m)
     tl.store(hw_ptr + offs, e4m3_bits(v, True), mask=m)
     tl.store(sw_ptr + offs, e4m3_bits(v, False), mask=m)
+
+
+@triton.jit
+def _div_kernel(a_ptr, b_ptr, by_ptr, rn_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(a_ptr + offs, mask=m, other=1.0)
+    b = tl.load(b_ptr + offs, mask=m, other=1.0)
+    tl.store(by_ptr + offs, pw_div_by(a, b, pw_recip(b), True), mask=m)
+    tl.store(rn_ptr + offs, tl.math.div_rn(a, b), mask=m)
+
+
+def test_div_by_reciprocal_is_the_ieee_division() -> None:
+    """``pw_div_by`` against ``div_rn`` on 16 M fp32 pairs as the quantizers make them
+    (divisors over 1e-15..1e4, quotients within +-448, at e4m3 ties, zeros of both signs):
+    bitwise in fp32 wherever |a| >= 2^-100, and the same e4m3 value everywhere."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n = 1 << 24
+    b = torch.exp(torch.empty(n, device="cuda").uniform_(-34.5, 9.2, generator=g))
+    grid = torch.arange(0, 127, dtype=torch.uint8, device="cuda").view(E4M3).float()
+    ties = (grid[1:] + grid[:-1]) / 2
+    u = torch.empty(n, device="cuda").uniform_(-448, 448, generator=g)
+    pick = torch.randint(0, 4, (n,), device="cuda", generator=g)
+    tie = ties[torch.randint(0, ties.numel(), (n,), device="cuda", generator=g)]
+    u = torch.where(pick == 0, tie, u)
+    u = torch.where(pick == 1, u * 1e-30, u)  # tiny quotients
+    a = (u.double() * b.double()).float()
+    a[::1001], a[1::1001] = 0.0, -0.0
+    by, rn = torch.empty_like(a), torch.empty_like(a)
+    _div_kernel[(triton.cdiv(n, 1024),)](a, b, by, rn, n, BLOCK=1024, enable_fp_fusion=False)
+    normal = a.abs() >= 2.0**-100
+    assert torch.equal(by[normal].view(torch.int32), rn[normal].view(torch.int32))
+    assert torch.equal(by.clamp(-448, 448).to(E4M3).view(torch.uint8),
+                       rn.clamp(-448, 448).to(E4M3).view(torch.uint8))
 
 
 def test_e4m3_hardware_and_software_rounding_equal_torch() -> None:
