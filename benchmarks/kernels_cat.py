@@ -20,7 +20,21 @@ import triton
 
 from benchmarks.kernels_rowwise import L2_BYTES, copy_gbps, device_ms
 from kopt.codegen.kernels.cat_rows import cat_rows_triton
-from tests.gpu.test_cat_rows_gpu import SHAPES, joint_v
+
+# (text tokens, image tokens, heads, head dim): W1 Qwen-Image, W2 FLUX.2, an odd one
+SHAPES = [(128, 4096, 24, 128), (512, 4096, 48, 128), (7, 33, 3, 40)]
+
+
+def joint_v(text: int, image: int, heads: int, dim: int, dtype: torch.dtype = torch.bfloat16,
+            batch: int = 1) -> list[torch.Tensor]:
+    """The V views of two merged QKV outputs ``[B, S, 3 H D]``: ``[B, S, H, D]``, strided."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for s in (text, image):
+        qkv = torch.randn(batch, s, 3 * heads * dim, device="cuda", generator=g).to(dtype)
+        out.append(qkv[..., 2 * heads * dim:].unflatten(-1, (heads, dim)))
+    return out
+
 
 NAMES = {SHAPES[0]: "W1 Qwen-Image joint V", SHAPES[1]: "W2 FLUX.2 joint V"}
 

@@ -31,6 +31,7 @@ from triton.testing import do_bench
 
 from kopt.codegen.kernels.nvfp4 import quant_nvfp4_reference, quant_nvfp4_triton
 from kopt.codegen.kernels.quant_fp8 import (
+    E4M3,
     quant_fp8_group_reference,
     quant_fp8_group_triton,
     quant_fp8_rowwise_reference,
@@ -50,6 +51,31 @@ class Case:
     kopt: Callable[..., object]
     reference: Callable[..., object]
     inputs: Callable[[int, int, torch.Generator], dict[str, torch.Tensor]]
+
+
+def near_e4m3_ties(rows: int, cols: int, dtype: torch.dtype, group: int | None = None,
+                   seed: int = 0) -> torch.Tensor:
+    """Rows whose quotients ``x / scale`` lie on, or a few ulps beside, the midpoints between
+    e4m3 values (where a quotient rounded one ulp off changes the e4m3 result): each row (each
+    ``group`` of a row) holds its absolute maximum first, the others ``tie * scale`` nudged by
+    -2..2 ulps of ``dtype``, with scale = fp32(amax) * fp32(1 / 448) as torch computes it; and
+    signed zeros."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    span = group or cols
+    amax = (torch.rand(rows, -(-cols // span), device=DEVICE, generator=g) * 8 + 0.01).to(dtype)
+    scale = amax.float() * torch.tensor(1 / 448, dtype=torch.float32)
+    grid = torch.arange(0, 127, dtype=torch.uint8, device=DEVICE).view(E4M3).double()
+    ties = (grid[1:] + grid[:-1]) / 2
+    t = ties[torch.randint(0, ties.numel(), (rows, cols), device=DEVICE, generator=g)]
+    sign = torch.randint(0, 2, (rows, cols), device=DEVICE, generator=g) * 2 - 1
+    span_scale = scale.double().repeat_interleave(span, dim=1)[:, :cols]
+    x = (t * span_scale * sign).to(dtype)
+    nudge = torch.randint(-2, 3, (rows, cols), device=DEVICE, generator=g)
+    bits = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+    x = (bits + nudge.to(bits.dtype)).view(dtype)
+    x[:, 1::97], x[:, 2::89] = -0.0, 0.0  # signed zeros keep their sign bit in e4m3
+    x[:, ::span] = amax.to(dtype)[:, : x[:, ::span].shape[1]]
+    return x
 
 
 def _bf16(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:

@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from benchmarks.kernels_rowwise import copy_gbps as copy_bandwidth
+from benchmarks.kernels_rowwise import near_e4m3_ties
 from kopt.codegen.kernels.quant_fp8 import e4m3_bits, quant_fp8_rowwise_triton
 
 MODES = ("exact", "markstein", "recip", "noamax", "copy16", "signed")
@@ -99,21 +100,6 @@ def _graph_ms(fn, sets: list) -> float:
     return do_bench(g.replay, return_mode="median") / len(sets)
 
 
-def _adversarial(rows: int, cols: int) -> torch.Tensor:
-    """Rows whose quotients x / scale lie within a few fp32 ulps of e4m3 rounding ties."""
-    amax = torch.rand(rows, 1, device="cuda", dtype=torch.float64) * 8 + 0.01
-    scale = (amax.float() * torch.tensor(0.0022321429569274187, device="cuda")).double()
-    e4m3 = torch.arange(0, 127, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-    grid = e4m3.double()
-    ties = (grid[1:] + grid[:-1]) / 2
-    t = ties[torch.randint(0, ties.numel(), (rows, cols), device="cuda")]
-    sign = torch.randint(0, 2, (rows, cols), device="cuda") * 2 - 1
-    x = (t * scale * sign).to(torch.bfloat16)
-    x[:, 1::97], x[:, 2::89] = -0.0, 0.0  # signed zeros
-    x[:, 0] = amax[:, 0].to(torch.bfloat16)
-    return x
-
-
 def main() -> None:
     shapes = {"W1 joint 4224 x 3072": (4224, 3072), "W2 joint 4608 x 6144": (4608, 6144),
               "W1 MLP-down in 4096 x 12288": (4096, 12288)}
@@ -161,7 +147,8 @@ def main() -> None:
                       if k.startswith(mname + " ")))
         # exactness of the markstein variant against the production kernel
         checks = {}
-        for kind, x in (("randn", sets[0][0]), ("adversarial", _adversarial(rows, cols))):
+        ties = near_e4m3_ties(rows, cols, torch.bfloat16)
+        for kind, x in (("randn", sets[0][0]), ("adversarial", ties)):
             q_ref, s_ref = quant_fp8_rowwise_triton(x)
             q = torch.empty(rows, cols, device="cuda", dtype=torch.uint8)
             s = torch.empty(rows, device="cuda", dtype=torch.float32)

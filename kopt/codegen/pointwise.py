@@ -350,9 +350,10 @@ def pw_div_by(a, b, rb, CUDA: tl.constexpr):
     the residuals neither overflow nor underflow: for a quantizer's ``x / scale`` with
     ``|x| <= amax`` and ``scale ~ amax / 448`` it is exact down to |x| ~ 2^-100, below which the
     quotient is far below half the smallest e4m3 subnormal, so the e4m3 value is still exact.
-    A multiply and four fmas against ``div.rn``'s reciprocal refinement and range check: W1's
-    quantizer 21.5 -> 15.6 us on the H200 (``benchmarks/probes/quant_variants.py``). The
-    interpreter (no fused multiply-add) divides."""
+    A multiply, four fmas and two selects against ``div.rn``'s reciprocal refinement and range
+    check: W1's per-token quantizer 21.5 -> 17.5 us on the H200
+    (``benchmarks/probes/quant_variants.py``). The interpreter (no fused multiply-add)
+    divides."""
     a, b = tl.broadcast(a, b)
     a, rb = tl.broadcast(a, rb)
     if CUDA:

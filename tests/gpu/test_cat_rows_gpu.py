@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.kernels_cat import SHAPES, joint_v
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.codegen.kernels.cat_rows import cat_rows_triton
@@ -15,19 +16,6 @@ from kopt.passes import PassConfig
 from kopt.verify import VerifyOptions
 
 pytestmark = pytest.mark.gpu
-# (text tokens, image tokens, heads, head dim): W1 Qwen-Image, W2 FLUX.2, an odd one
-SHAPES = [(128, 4096, 24, 128), (512, 4096, 48, 128), (7, 33, 3, 40)]
-
-
-def joint_v(text: int, image: int, heads: int, dim: int, dtype: torch.dtype = torch.bfloat16,
-            batch: int = 1) -> list[torch.Tensor]:
-    """The V views of two merged QKV outputs ``[B, S, 3 H D]``: ``[B, S, H, D]``, strided."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    out = []
-    for s in (text, image):
-        qkv = torch.randn(batch, s, 3 * heads * dim, device="cuda", generator=g).to(dtype)
-        out.append(qkv[..., 2 * heads * dim:].unflatten(-1, (heads, dim)))
-    return out
 
 
 @pytest.mark.parametrize("shape", SHAPES)

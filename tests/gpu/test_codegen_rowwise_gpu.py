@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.kernels_rowwise import near_e4m3_ties
 from kopt.codegen.kernels.nvfp4 import (
     nvfp4_global_scale,
     quant_nvfp4_reference,
@@ -32,7 +33,13 @@ from kopt.codegen.kernels.quant_fp8 import (
     quant_fp8_rowwise_triton,
 )
 from kopt.codegen.pointwise import Instr, Operand, PointwiseProgram, pw_div_by, pw_recip
-from kopt.codegen.rowwise import RowwiseSpec, rowwise, rowwise_reference, rowwise_triton
+from kopt.codegen.rowwise import (
+    RowwiseSpec,
+    dtype_name,
+    rowwise,
+    rowwise_reference,
+    rowwise_triton,
+)
 from tests.cpu.test_codegen_rowwise import (
     ALL_OUTPUTS,
     _bitwise,
@@ -44,7 +51,6 @@ from tests.cpu.test_codegen_rowwise import (
 
 pytestmark = pytest.mark.gpu
 BF = torch.bfloat16
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # (batch, tokens, hidden): W1 Qwen-Image joint 4096 image + 128 text tokens at 3072, its text
 # stream alone; W2 FLUX.2 4096 + 512 tokens at 6144 (its MLP hidden is 3 x 6144 = 18432)
 W_SHAPES = [(1, 4096 + 128, 3072), (1, 128, 3072), (1, 4096 + 512, 6144), (2, 257, 3072)]
@@ -99,31 +105,6 @@ def test_fp8_producers_bitwise_on_cuda(shape: tuple, dtype: torch.dtype) -> None
         assert _bitwise(q, qr) and torch.equal(s, sr), triton_fn.__name__
 
 
-def near_e4m3_ties(rows: int, cols: int, dtype: torch.dtype, group: int | None = None,
-                   seed: int = 0) -> torch.Tensor:
-    """Rows whose quotients ``x / scale`` lie on, or a few ulps beside, the midpoints between
-    e4m3 values (where a quotient rounded one ulp off changes the e4m3 result): each row (each
-    ``group`` of a row) holds its absolute maximum first, the others ``tie * scale`` nudged by
-    -2..2 ulps of ``dtype``, with scale = fp32(amax) * fp32(1 / 448) as torch computes it; and
-    signed zeros."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    span = group or cols
-    amax = (torch.rand(rows, -(-cols // span), device="cuda", generator=g) * 8 + 0.01).to(dtype)
-    scale = amax.float() * torch.tensor(1 / 448, dtype=torch.float32)
-    grid = torch.arange(0, 127, dtype=torch.uint8, device="cuda").view(E4M3).double()
-    ties = (grid[1:] + grid[:-1]) / 2
-    t = ties[torch.randint(0, ties.numel(), (rows, cols), device="cuda", generator=g)]
-    sign = torch.randint(0, 2, (rows, cols), device="cuda", generator=g) * 2 - 1
-    span_scale = scale.double().repeat_interleave(span, dim=1)[:, :cols]
-    x = (t * span_scale * sign).to(dtype)
-    nudge = torch.randint(-2, 3, (rows, cols), device="cuda", generator=g)
-    bits = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
-    x = (bits + nudge.to(bits.dtype)).view(dtype)
-    x[:, 1::97], x[:, 2::89] = -0.0, 0.0  # signed zeros keep their sign bit in e4m3
-    x[:, ::span] = amax.to(dtype)[:, : x[:, ::span].shape[1]]
-    return x
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_producers_bitwise_near_e4m3_ties(dtype: torch.dtype) -> None:
     """The quotient x / scale rounded as a division, one ulp wrong in fp32 at a tie would show:
@@ -137,7 +118,7 @@ def test_fp8_producers_bitwise_near_e4m3_ties(dtype: torch.dtype) -> None:
     q, s = quant_fp8_group_triton(xg)
     qr, sr = quant_fp8_group_reference(xg)
     assert _bitwise(q, qr) and torch.equal(s, sr)
-    spec = RowwiseSpec(DTYPE_NAMES[dtype], outputs=("fp8_row", "fp8_group"))
+    spec = RowwiseSpec(dtype_name(dtype), outputs=("fp8_row", "fp8_group"))
     ins = {"x": x}
     got, ref = _run(spec, ins)
     for n in spec.output_names():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kopt
+from benchmarks.kernels_rowwise import near_e4m3_ties
 from benchmarks.kernels_specialised import ACT_CASES, QK_CASES, act_inputs, qk_inputs
 from kopt.codegen.kernels.act_quant import (
     act_quant_reference,
@@ -27,7 +28,6 @@ from kopt.models import build
 from kopt.patterns.act_quant import ACT_QUANT
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.verify import RTOL_FLOOR, relative_error
-from tests.gpu.test_codegen_rowwise_gpu import near_e4m3_ties
 
 pytestmark = pytest.mark.gpu
 FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))

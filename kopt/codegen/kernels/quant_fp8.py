@@ -50,8 +50,9 @@ MAX_COLS = 32768
 INV_E4M3_MAX = reciprocal_fp32(E4M3_MAX)
 # Widest row tile whose quotients x / scale go through the scale's reciprocal (``pw_div_by``)
 # in the per-row quantizer; wider tiles divide. Measured on the H200 (quant_variants.py): a
-# 3072-wide row 21.5 -> 17.5 us, 6144: 42.9 -> 37.4, but 12288 (a 16384 tile): 89.8 -> 99.4,
-# the whole row held in registers leaves no room for the corrections' live values.
+# 3072-wide row 21.5 -> 17.5 us, 6144: 42.9 -> 37.4, but 12288 (a 16384 tile): 89.8 -> 99.4
+# (likely cause, not profiled: a whole row held in registers leaves no room for the
+# corrections' live values).
 RECIPROCAL_MAX_BLOCK = tl.constexpr(8192)
 # the kernels below spell these constants out (constexpr literals): keep them in sync
 assert (E4M3_MAX, INV_E4M3_MAX, MIN_AMAX) == (448.0, 0.0022321429569274187, 1e-12)
@@ -66,10 +67,6 @@ def quant_fp8_rowwise_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     scale = amax / E4M3_MAX
     q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
-
-
-def _quant_fp8_rowwise_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quant_fp8_rowwise_reference(x)
 
 
 def _quant_fp8_rowwise_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +96,6 @@ def quant_fp8_group_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     out_scale = group_scale_empty(rows, k, x.device)
     out_scale.copy_(scale.reshape(rows, groups))
     return q, out_scale
-
-
-def _quant_fp8_group_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quant_fp8_group_reference(x)
 
 
 def _quant_fp8_group_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,8 +269,8 @@ def quant_fp8_group_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 quant_fp8_rowwise = define("quant_fp8_rowwise", "(Tensor x) -> (Tensor, Tensor)",
-                           _quant_fp8_rowwise_reference, fake=_quant_fp8_rowwise_fake,
+                           quant_fp8_rowwise_reference, fake=_quant_fp8_rowwise_fake,
                            cuda=quant_fp8_rowwise_triton)
 quant_fp8_group = define("quant_fp8_group", "(Tensor x) -> (Tensor, Tensor)",
-                         _quant_fp8_group_reference, fake=_quant_fp8_group_fake,
+                         quant_fp8_group_reference, fake=_quant_fp8_group_fake,
                          cuda=quant_fp8_group_triton)
