@@ -193,12 +193,15 @@ def bench_qk(case: QKCase) -> Row:
 
 def act_configs(n: int) -> list[dict[str, int]]:
     """The act+quant kernel's candidate configs for rows of ``n``: one pass over a whole-row
-    block, or two passes over chunks, at several warp counts."""
+    block, or two passes over chunks (the activation computed twice, or stashed in the first
+    pass on a persistent grid of 2, 4 or 8 programs per SM), at several warp counts."""
     whole = triton.next_power_of_2(n)
     out = [{"BLOCK": whole, "ONE_PASS": True, "num_warps": w} for w in (4, 8, 16, 32)
            if whole // (32 * w) <= 64]
-    out += [{"BLOCK": c, "ONE_PASS": False, "num_warps": w} for c in (2048, 4096, 8192)
-            for w in (4, 8, 16) if c < whole]
+    out += [{"BLOCK": c, "ONE_PASS": False, "STASH": False, "num_warps": w}
+            for c in (2048, 4096, 8192) for w in (4, 8, 16) if c < whole]
+    out += [{"BLOCK": c, "ONE_PASS": False, "STASH": True, "CTAS_PER_SM": k, "num_warps": w}
+            for c in (1024, 2048, 4096) for w in (4, 8) for k in (2, 4, 8) if c < whole]
     return out
 
 
@@ -212,7 +215,8 @@ def bench_act(case: ActCase, sweep: bool = False) -> Row:
               inductor_us=inductor, copy_us=_copy_us(nbytes), inductor_note=note)
     if sweep:
         row.configs_us = {
-            f"{'one' if c['ONE_PASS'] else 'two'}-pass {c['BLOCK']} x {c['num_warps']}w":
+            f"{'one' if c['ONE_PASS'] else 'two'}-pass {c['BLOCK']} x {c['num_warps']}w"
+            + (f" stash {c['CTAS_PER_SM']}/SM" if c.get("STASH") else ""):
             _us(lambda c=c: act_quant_triton(x, up, case.activation, config=c))
             for c in act_configs(x.shape[-1])}
     return row

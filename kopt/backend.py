@@ -38,14 +38,12 @@ log = logging.getLogger("kopt")
 
 INNER = ("inductor", "eager")
 
-# Fusions whose kernel Inductor's own fused kernel for the same subgraph beats on the reference
-# shapes (benchmarks/RESULTS.md, session 3 sweeps on the H200): under Inductor they are left to
-# Inductor unless the caller's config names them. Pass name -> why.
+# Fusions that Inductor's own fused kernel for the same subgraph does as well: under Inductor
+# they are left to Inductor unless the caller's config names them. Pass name -> why.
+# (fuse_act_quant was here until session 9: its stashed two-pass kernel now takes 0.77x, 0.98x
+# and 0.91x of Inductor's time on the W1, W2 and LLM image-token shapes; benchmarks/RESULTS.md.)
 LEFT_TO_INDUCTOR = {
     "fuse_act": "Inductor fuses the activation and the concatenation into its own kernels",
-    "fuse_act_quant": "Inductor's fused activation + FP8 kernel is 1.1-1.25x faster on the W1, "
-                      "W2 and LLM image-token shapes (kopt's is bitwise exact and "
-                      "compute-bound; Inductor's is not exact)",
 }
 
 

@@ -40,7 +40,7 @@ import dataclasses
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,7 +256,8 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
         launch_us=launch_us, view_us=view_us, host_us=host_us, kernel_us=kernel_us,
         fixed_us=fixed_us, efficiency=efficiency,
         graph_launch_us=(base.graph_launch_us if base else None), asynchronous=cuda)
-    model = model.with_(efficiency={**model.efficiency,
+    model = model.with_(efficiency={**_layout_priors(base, model.efficiency),
+                                    **model.efficiency,
                                     **_op_efficiencies(model, samples, roof, min_nodes)})
     note = ""
     if wall_ms is not None:
@@ -316,6 +317,16 @@ def _unmeasured_rates(base: DeviceModel, samples: Sequence[_Sample], roof: Seque
         if prior is not None:
             out[key] = prior
     return out
+
+
+def _layout_priors(base: DeviceModel | None, fitted: Mapping[str, float]) -> dict[str, float]:
+    """The base model's rates for an op with a given operand layout (``aten::cat[strided]``)
+    where the fit has none: such a key gets a rate of its own only from large kernels in the
+    trace, and without one the op would be costed at its contiguous kernels' rate (a strided
+    cat at a plain cat's 0.89 of the bandwidth instead of 0.15)."""
+    if base is None:
+        return {}
+    return {k: v for k, v in base.efficiency.items() if k.endswith("]") and k not in fitted}
 
 
 def _op_efficiencies(model: DeviceModel, samples: Sequence[_Sample], roof: Sequence[float],

@@ -12,6 +12,7 @@ from kopt.graph.deps import (
 )
 from kopt.graph.query import (
     attr,
+    compact_paths,
     describe_node,
     fake_mode_of,
     is_tensor_node,
@@ -36,6 +37,7 @@ from kopt.graph.splice import (
 __all__ = [
     "add_constant",
     "attr",
+    "compact_paths",
     "describe_node",
     "constant_nodes",
     "copy_graph_module",

@@ -79,6 +79,40 @@ def module_paths(node: fx.Node) -> list[str]:
     return [p.replace("L['self'].", "") for p, _ in stack.values()]
 
 
+def _ranges(numbers: list[int]) -> str:
+    """``0..59`` for a run, ``0..3,5,7..9`` otherwise."""
+    numbers = sorted(set(numbers))
+    out, start = [], numbers[0]
+    for prev, cur in zip(numbers, [*numbers[1:], None], strict=True):
+        if cur != prev + 1:
+            out.append(str(start) if start == prev else f"{start}..{prev}")
+            start = cur
+    return ",".join(out)
+
+
+def compact_paths(paths: list[str]) -> str:
+    """Module paths in a few words: a handful with their common prefix factored out
+    (``blocks.0.attn.{to_q,to_k,to_v}``); many, grouped on their first numeric component
+    (``blocks.{0..59}.img_mod.1, blocks.{0..59}.txt_mod.1, norm_out.linear``)."""
+    parts = [p.split(".") for p in paths]
+    if len(paths) <= 4:
+        common = 0
+        while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+            common += 1
+        prefix = ".".join(parts[0][:common])
+        rest = ",".join(".".join(p[common:]) for p in parts)
+        return f"{prefix}.{{{rest}}}" if prefix else f"{{{rest}}}"
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for p in parts:
+        i = next((i for i, c in enumerate(p) if c.isdigit()), None)
+        if i is None:
+            groups.setdefault(tuple(p), [])
+            continue
+        groups.setdefault((*p[:i], "#", *p[i + 1:]), []).append(int(p[i]))
+    return ", ".join(".".join(f"{{{_ranges(numbers)}}}" if c == "#" else c for c in key)
+                     for key, numbers in groups.items())
+
+
 def describe_node(node: fx.Node) -> str:
     """Where a node comes from: its module path, what kopt built it from, or its name."""
     return node.meta.get("kopt_from") or module_path(node) or node.name

@@ -12,11 +12,13 @@ fused kernel), and any other cat of such slices. A copy: exact.
 Runs after the passes that fuse a cat into a kernel of their own (``fuse_act_quant``,
 ``fuse_act``) and after ``fold_constants`` (a cat of weights is done once at load anyway).
 Not rewritten: a cat of contiguous tensors (ATen's kernel vectorizes those), of inputs that
-cannot be viewed as rows, or of mixed dtypes.
+cannot be viewed as rows, of rows shorter than ``MIN_ROW_BYTES`` (a cat along the last dim,
+such as RoPE's rotate-half), or of mixed dtypes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -28,6 +30,13 @@ from kopt.passes.base import NodeSitePass
 from kopt.patterns.core import exact
 
 aten = torch.ops.aten
+
+
+# The kernel runs a program per row (and per 4096-element chunk of it): rows shorter than this
+# would make it a launch of near-empty programs (a cat along the last dim has rows of one
+# element). The joint V rows it is for are 6 KiB (W1) and 12 KiB (W2); a guard, not a measured
+# crossover.
+MIN_ROW_BYTES = 128
 
 
 class _Site(NamedTuple):
@@ -56,6 +65,10 @@ def cat_site(node: fx.Node) -> _Site | str | None:
         why = row_view(v, dim)
         if isinstance(why, str):
             return why
+    row_bytes = math.prod(vals[0].shape[dim + 1:]) * vals[0].element_size()
+    if row_bytes < MIN_ROW_BYTES:
+        return (f"rows of {row_bytes} bytes: too short for row copies (a program per row; "
+                f"ATen's cat, e.g. RoPE's rotate-half)")
     return _Site(list(tensors), dim)
 
 

@@ -66,12 +66,11 @@ class PassConfig:
     """SwiGLU / GELU(tanh) + the FP8 per-token quantization of the next GEMM's input in one
     kernel (only with ``fp8``)."""
 
-    fuse_act: bool = False
+    fuse_act: bool = True
     """SwiGLU (``silu(g) * u``) in one kernel instead of two, and an activation concatenated
     with another tensor (FLUX.2's single-stream blocks, BF16) written beside it with no copy;
-    what ``fuse_act_quant`` leaves (no FP8 quantizer after it). Off until measured on the H200
-    (the kernel is bitwise, and its act + quant sibling measured compute-bound there: it may
-    lose to the unfused memory-bound ops)."""
+    what ``fuse_act_quant`` leaves (no FP8 quantizer after it). Exact. W2 in BF16 on the H200:
+    444.0 ms per forward with it, 468.7 without (two runs of session 9; benchmarks/RESULTS.md)."""
 
     fuse_allreduce_norm: bool = True
     """Tensor-parallel graphs: the all-reduce of a row-parallel GEMM's partial sums, the
@@ -85,11 +84,11 @@ class PassConfig:
     fold_constants: bool = True
     """Evaluate every parameter-only subgraph once at load time (weight pre-packing)."""
 
-    cat_rows: bool = False
+    cat_rows: bool = True
     """A concatenation of strided views (the V slices of a merged QKV output joined [text;
     image]) -> ``kopt::cat_rows``, whole-row vector copies instead of ATen's element-wise
-    copy (measured at ~560 GB/s, 5.6 ms per W1 forward on the H200). Exact. Off until the
-    kernel is measured on the H200 (built and CPU-tested in session 8)."""
+    copy (~560 GB/s). Exact. W1 on the H200: 4.4 ms per call saved under CUDA graphs (paired
+    leave-one-out, benchmarks/RESULTS.md session 9)."""
 
     hoist: bool | tuple[str, ...] = True
     """Cache work that depends only on conditioning inputs (timestep modulation across a CFG

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from kopt.graph import constant_nodes, infer_meta, module_path, tensor_meta
+from kopt.graph import compact_paths, constant_nodes, infer_meta, module_path, tensor_meta
 from kopt.patterns.collectives import partial_sum_nodes
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
 
@@ -175,16 +175,10 @@ def _views_to_reshapes(gm: fx.GraphModule, piece: fx.Node) -> None:
 
 
 def describe_merge(match: Match) -> str:
-    """``blocks.0.attn.{to_q,to_k,to_v}`` -- the merged modules, common prefix factored out."""
+    """``blocks.0.attn.{to_q,to_k,to_v}`` -- the merged modules in a few words
+    (:func:`kopt.graph.query.compact_paths`)."""
     paths = [module_path(p.node) or p.node.name for p in match.bindings["projections"]]
-    parts = [p.split(".") for p in paths]
-    common = 0
-    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
-        common += 1
-    prefix = ".".join(parts[0][:common])
-    rest = ",".join(".".join(p[common:]) for p in parts)
-    text = f"{prefix}.{{{rest}}}" if prefix else f"{{{rest}}}"
-    return f"{len(paths)} projections of {match.bindings['input'].name}: {text}"
+    return f"{len(paths)} projections of {match.bindings['input'].name}: {compact_paths(paths)}"
 
 
 NAME = "merge_projections"

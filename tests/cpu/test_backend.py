@@ -175,14 +175,16 @@ def test_under_inductor_the_fusions_inductor_wins_are_left_to_it() -> None:
     from kopt.backend import LEFT_TO_INDUCTOR, BackendOptions
     from kopt.passes import PassConfig
 
-    assert "fuse_act_quant" in LEFT_TO_INDUCTOR
-    assert not BackendOptions.parse({"inner": "inductor"}).config.fuse_act_quant
-    assert BackendOptions.parse({"inner": "eager"}).config.fuse_act_quant
+    assert "fuse_act" in LEFT_TO_INDUCTOR
+    assert not BackendOptions.parse({"inner": "inductor"}).config.fuse_act
+    assert BackendOptions.parse({"inner": "eager"}).config.fuse_act
     # asked for by name, or in a config object: kept
     assert BackendOptions.parse({"inner": "inductor",
-                                 "config": {"fuse_act_quant": True}}).config.fuse_act_quant
+                                 "config": {"fuse_act": True}}).config.fuse_act
     assert BackendOptions.parse({"inner": "inductor",
-                                 "config": PassConfig()}).config.fuse_act_quant
+                                 "config": PassConfig()}).config.fuse_act
     # other fields of a config dict do not bring it back
     assert not BackendOptions.parse({"inner": "inductor",
-                                     "config": {"cse": False}}).config.fuse_act_quant
+                                     "config": {"cse": False}}).config.fuse_act
+    # the others stay on
+    assert BackendOptions.parse({"inner": "inductor"}).config.fuse_act_quant

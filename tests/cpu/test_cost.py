@@ -585,6 +585,26 @@ def test_operand_layout_is_counted_and_sets_its_own_rate() -> None:
     assert H200.with_(efficiency={"aten::mul": 0.7}).efficiency_of(mul) == 0.7
 
 
+def test_a_layout_the_trace_lacks_keeps_the_base_models_rate() -> None:
+    """A trace of kopt's graph has no strided cat (cat_rows replaced it), only whole-tensor
+    cats at a high rate: a strided cat elsewhere (the graph without cat_rows) is costed at the
+    base's strided-cat rate, not at the plain cats' fitted one; a layout the trace measures
+    keeps its fitted rate."""
+    truth = H200.with_(kernel_us=2.0, fixed_us={}, kernels_per_op={},
+                       efficiency={"aten::cat": 0.9, "aten::add[broadcast]": 0.4})
+    counts = [_count(f"c{i}", "aten::cat", 4.247e8 * (1 + i % 3)) for i in range(6)]
+    counts += [dataclasses.replace(_count(f"a{i}", "aten::add", 4.247e8 * (1 + i % 3)),
+                                   layout="broadcast") for i in range(6)]
+    nodes = {c.node: NodeCost(c.node, c.op, ms=truth.kernel_ms(c), calls=1, host_ms=0.01,
+                              min_ms=truth.kernel_ms(c)) for c in counts}
+    base = H200.with_(efficiency={**H200.efficiency, "aten::add[broadcast]": 0.9})
+    fitted = fit_counted([(counts, Attribution("cuda", 1, nodes, {}, 1.0))], base=base)
+    strided = dataclasses.replace(_count("s", "aten::cat", 5e7), layout="strided")
+    assert fitted.efficiency_of(counts[0]) == pytest.approx(0.9, rel=1e-2)  # fitted
+    assert fitted.efficiency_of(strided) == H200.efficiency["aten::cat[strided]"] < 0.5
+    assert fitted.efficiency_of(counts[-1]) == pytest.approx(0.4, rel=1e-3)  # measured, kept
+
+
 def test_a_reshape_that_can_view_its_input_is_a_view_whatever_its_traced_storage() -> None:
     """A pass traces its new nodes' values one by one (another storage than the input's): the
     reshape of a contiguous activation to 2-D is still a view; flattening a transposed one is

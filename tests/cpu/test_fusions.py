@@ -29,7 +29,7 @@ CAT_ACT = torch.ops.kopt.cat_act_quant_fp8_rowwise.default
 QUANT = torch.ops.kopt.quant_fp8_rowwise.default
 # the graphs these rewrites start from: the default passes with FP8, without the fusions
 FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16), fuse_qk_norm_rope=False,
-                      fuse_act_quant=False)
+                      fuse_act_quant=False, fuse_act=False)
 MODELS = ("qwen-image-tiny", "flux2-tiny", "llm-tiny")
 
 
@@ -364,7 +364,7 @@ def test_fuse_act_takes_what_act_quant_leaves_in_bf16_models() -> None:
     assert _count(after, aten.silu.default) == _count(before, aten.silu.default) - 6
     assert _count(after, aten.cat.default) == _count(before, aten.cat.default) - 2
     _verifies(before, after, list(cap.example_inputs), FUSE_ACT)
-    assert not kopt.PassConfig().fuse_act  # off until measured on the H200
+    assert kopt.PassConfig().fuse_act  # on by default: W2 BF16 measured faster with it
 
 
 def test_fuse_act_near_miss_says_why() -> None:

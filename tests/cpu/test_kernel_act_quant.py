@@ -116,12 +116,14 @@ def test_rejects_what_it_cannot_compute() -> None:
 
 
 @pytest.mark.parametrize("config", [
-    {"BLOCK": 512, "ONE_PASS": False, "num_warps": 4},
+    {"BLOCK": 512, "ONE_PASS": False, "STASH": False, "num_warps": 4},
+    {"BLOCK": 256, "ONE_PASS": False, "STASH": True, "num_warps": 4},
     {"BLOCK": 1024, "ONE_PASS": True, "num_warps": 8},
-], ids=["two-pass-chunks", "one-pass-wider-block"])
+], ids=["two-pass-recomputed", "two-pass-stashed", "one-pass-wider-block"])
 def test_config_override_keeps_the_result(config: dict) -> None:
     """Benchmarks sweep the launch config: every config computes the same bits (the two-pass
-    form recomputes the activation; a misplaced chunk offset or mask would change values)."""
+    form recomputes the activation or reads it back from the stash, 5 rows on fewer persistent
+    programs; a misplaced chunk offset, mask or stash row would change values)."""
     gate, up = _inputs((5, 1000), torch.bfloat16, "silu_mul")
     q0, s0 = act_quant_triton(gate, up, "silu_mul")
     q1, s1 = act_quant_triton(gate, up, "silu_mul", config=config)

@@ -215,10 +215,21 @@ def test_after_cse_the_modulation_linears_of_all_blocks_merge(tiny) -> None:  # 
     opt = kopt.optimize(w.model, w.args, w.kwargs)
     details = opt.report.result("merge_projections").details
     mod = [d for d in details if "img_mod" in d]
-    assert len(mod) == 1
-    for block in (0, 1):
-        assert f"transformer_blocks.{block}.img_mod.1" in mod[0]
-        assert f"transformer_blocks.{block}.txt_mod.1" in mod[0]
+    assert len(mod) == 1  # both blocks' and the output norm's: 5 modules, in a few words
+    assert mod[0].endswith(": transformer_blocks.{0..1}.img_mod.1, "
+                           "transformer_blocks.{0..1}.txt_mod.1, norm_out.linear"), mod[0]
+
+
+def test_many_module_paths_are_grouped_on_their_block_index() -> None:
+    from kopt.graph import compact_paths
+
+    blocks = [f"blocks.{i}.{m}" for i in range(60) for m in ("img_mod.1", "txt_mod.1")]
+    assert compact_paths([*blocks, "norm_out.linear"]) == \
+        "blocks.{0..59}.img_mod.1, blocks.{0..59}.txt_mod.1, norm_out.linear"
+    assert compact_paths([f"l.{i}.x" for i in (0, 1, 2, 3, 5, 7, 8, 9)] + ["head"]) == \
+        "l.{0..3,5,7..9}.x, head"
+    assert compact_paths(["b.0.attn.to_q", "b.0.attn.to_k", "b.0.attn.to_v"]) == \
+        "b.0.attn.{to_q,to_k,to_v}"
 
 
 def test_merged_weights_are_packed_in_place_not_copied() -> None:

@@ -275,12 +275,12 @@ def test_probe_collectives_are_kept(two: list[dict[str, Any]]) -> None:
         # a row-parallel projection and a complete one of the same input are not merged
         assert p["matched"]["merge_projections"] == 0
         assert any("sharded differently" in reason for reason in p["rejected"]["merge_projections"])
-        # the all-reduces read by silu / mul are near misses, with what reads them
+        # the all-reduces read by the SwiGLU (fuse_act) / mul are near misses, with what reads them
         assert p["matched"]["fuse_allreduce_norm"] == 0
         misses = [reason for _, reason in p["near_misses"]["fuse_allreduce_norm"]]
         assert len(misses) == 3 and all("not to a residual add before a norm" in m
                                         for m in misses), misses
-        assert any("silu" in m for m in misses)
+        assert any("fused_act" in m for m in misses), misses  # silu(a) * b, fused
         assert relative_error(p["out"], p["eager"]) <= RTOL_FLOOR[torch.float32]
 
 

@@ -70,16 +70,33 @@ def test_act_quant_is_bitwise_equal_to_the_unfused_ops(case) -> None:  # noqa: A
     _check_act_quant(q, scale, q_ref, scale_ref, case.activation)
 
 
+@pytest.mark.parametrize("features", [1000, 5000], ids=["one-pass", "two-pass-stashed"])
 @pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_act_quant_is_bitwise_in_other_dtypes(activation: str, dtype: torch.dtype) -> None:
+def test_act_quant_is_bitwise_in_other_dtypes(activation: str, dtype: torch.dtype,
+                                              features: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(1)
-    merged = (torch.randn(333, 2 * 1000, device="cuda", generator=g) * 4).to(dtype)
-    x = merged[:, :1000]
-    up = merged[:, 1000:] if activation == "silu_mul" else None
+    merged = (torch.randn(333, 2 * features, device="cuda", generator=g) * 4).to(dtype)
+    x = merged[:, :features]
+    up = merged[:, features:] if activation == "silu_mul" else None
     q, scale = act_quant_triton(x, up, activation)
     q_ref, scale_ref = act_quant_reference(x, up, activation)
     _check_act_quant(q, scale, q_ref, scale_ref, activation)
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK": 1024, "ONE_PASS": False, "STASH": True, "CTAS_PER_SM": 2, "num_warps": 4},
+    {"BLOCK": 4096, "ONE_PASS": False, "STASH": True, "CTAS_PER_SM": 8, "num_warps": 8},
+    {"BLOCK": 2048, "ONE_PASS": False, "STASH": False, "num_warps": 8},
+], ids=["stash-1024-2sm", "stash-4096-8sm", "recomputed"])
+def test_act_quant_configs_are_bitwise_on_many_rows_per_program(config: dict) -> None:
+    """A persistent grid goes through several rows per program, each reusing its stash row:
+    more rows than programs (132 SMs x 2 = 264 < 2000), bitwise the reference."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(2000, 12288, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    q, scale = act_quant_triton(x, None, "gelu_tanh", config=config)
+    q_ref, scale_ref = act_quant_reference(x, None, "gelu_tanh")
+    _check_act_quant(q, scale, q_ref, scale_ref, "gelu_tanh")
 
 
 @pytest.mark.parametrize("other_first", [True, False], ids=["attention-first", "act-first"])

@@ -42,6 +42,7 @@ GPU tests bitwise.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,12 +71,19 @@ _MIN_AMAX = tl.constexpr(fp32(MIN_AMAX))
 # fp32(1 / 448): the reciprocal torch multiplies by for ``amax / 448`` on CUDA.
 _INV_E4M3_MAX = fp32(1.0 / E4M3_MAX)
 # Rows up to this many features are held in registers in one pass; longer rows take two passes
-# over their input (amax, then quantize), the second mostly from L2, in _CHUNK-wide chunks at 8
-# warps: the best of 12 configs on 5 of 6 W1/W2/LLM shapes on the H200 (one pass over a
-# register-resident 12288-wide row was slower at every warp count; benchmarks/RESULTS.md,
-# session 3 sweep).
+# over their input (amax, then quantize), in _CHUNK-wide chunks at 8 warps: the best of 12
+# configs on 5 of 6 W1/W2/LLM shapes on the H200 (one pass over a register-resident 12288-wide
+# row was slower at every warp count; benchmarks/RESULTS.md, session 3 sweep). The activation
+# is the kernel's cost (an instruction-bound tanh/exp per value), so the first pass stashes it
+# (``STASH``) for the second to read back from L2 instead of computing it again: a persistent
+# grid of _STASH_CTAS_PER_SM programs per SM, one stash row each. H200, session 9 sweep of 30
+# configs: the best on W1 GELU, W2 SwiGLU, W3 SwiGLU and GELU(erf) image shapes, 116-193 us
+# against 150-237 recomputing (the text shapes within 1 us of their best).
 _ONE_PASS_MAX = 2048
 _CHUNK = 2048
+_STASH_CTAS_PER_SM = 8
+# Programs of a persistent grid under the interpreter (no SMs): fewer than the tests' rows.
+_INTERPRETER_PROGRAMS = 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,11 +171,11 @@ def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.co
 
 
 @triton.jit
-def _rows(x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1,
+def _rows(row, x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1,
           OTHER_FIRST: tl.constexpr):
-    """This program's row: its gate, up and other input rows, and where in the output row of
-    ``N + P`` values the activation and the other tensor go."""
-    row = tl.program_id(0).to(tl.int64)
+    """Row ``row``'s gate, up and other input rows, and where in the output row of ``N + P``
+    values the activation and the other tensor go."""
+    row = tl.cast(row, tl.int64)
     r1 = row // R2
     r2 = row % R2
     y_row = y_ptr + row * (N + P)
@@ -182,17 +190,19 @@ def _rows(x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1,
 
 
 @triton.jit
-def _act_quant_kernel(
-    x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr,
+def _act_quant_row(
+    row, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_row,
     R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
-    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, HAS_OTHER: tl.constexpr,
-    OTHER_FIRST: tl.constexpr, NATIVE: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, STASH: tl.constexpr,
+    HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    """One program per row: the activation, its absolute maximum, the scale and the e4m3
-    values. With ``HAS_OTHER`` the row quantized is ``cat([other, act])`` (``OTHER_FIRST``) or
-    ``cat([act, other])``: P more features read as they are. See the module docstring."""
+    """One row: the activation, its absolute maximum, the scale and the e4m3 values. With
+    ``HAS_OTHER`` the row quantized is ``cat([other, act])`` (``OTHER_FIRST``) or
+    ``cat([act, other])``: P more features read as they are. Two passes over a long row compute
+    the activation twice, or (``STASH``) once: the first pass also stores it, in x's dtype,
+    at ``stash_row``, and the second reads it back. See the module docstring."""
     row, x_row, u_row, o_row, qa_row, qo_row = _rows(
-        x_ptr, u_ptr, o_ptr, q_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1, OTHER_FIRST)
+        row, x_ptr, u_ptr, o_ptr, q_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1, OTHER_FIRST)
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
@@ -205,6 +215,9 @@ def _act_quant_kernel(
             mask = start + cols < N
             a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
             amax_a = tl.maximum(amax_a, tl.where(mask, tl.abs(a), 0.0))
+            if STASH:  # a is already rounded to dt: the stash holds it exactly
+                tl.store(stash_row + start + cols, a.to(dt), mask=mask,
+                         eviction_policy="evict_last")
         amax = tl.max(amax_a, axis=0)
     if HAS_OTHER:
         amax_o = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -224,17 +237,50 @@ def _act_quant_kernel(
         q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
         tl.store(qa_row + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
     else:
+        if STASH:
+            tl.debug_barrier()  # the whole stash written before any thread reads it back
         for start in range(0, N, BLOCK):
             mask = start + cols < N
-            a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
+            if STASH:
+                a = tl.load(stash_row + start + cols, mask=mask, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+            else:
+                a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
             q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
             tl.store(qa_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
+        if STASH:
+            tl.debug_barrier()  # read back before the next row overwrites it
     if HAS_OTHER:
         for start in range(0, P, BLOCK):
             m = start + cols < P
             v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
             q = tl.clamp(pw_div_by(v, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
             tl.store(qo_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=m)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_ptr,
+    R, R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, STASH: tl.constexpr,
+    HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """One program per row; with ``STASH`` a persistent grid instead, each program going
+    through rows pid, pid + programs, ... with its own stash row (programs x N values, small
+    enough to stay in L2 between the two passes)."""
+    pid = tl.program_id(0)
+    if STASH:
+        stash_row = stash_ptr + pid.to(tl.int64) * N
+        for row in range(pid, R, tl.num_programs(0)):
+            _act_quant_row(
+                row, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_row, R2, N, P, sx0, sx1, sxn,
+                su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, ONE_PASS, STASH, HAS_OTHER,
+                OTHER_FIRST, NATIVE)
+    else:
+        _act_quant_row(
+            pid, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_ptr, R2, N, P, sx0, sx1, sxn,
+            su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, ONE_PASS, STASH, HAS_OTHER,
+            OTHER_FIRST, NATIVE)
 
 
 @triton.jit
@@ -248,7 +294,8 @@ def _act_kernel(
     and, with ``HAS_OTHER``, the other tensor's row beside it: ``cat([other, act])`` (or
     ``[act, other]``) written once, in one row of ``N + P`` values."""
     _, x_row, u_row, o_row, ya_row, yo_row = _rows(
-        x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1, OTHER_FIRST)
+        tl.program_id(0), x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1,
+        OTHER_FIRST)
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     for start in range(0, N, BLOCK):
@@ -304,11 +351,29 @@ def act_reference(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor 
 
 
 def _config(n: int) -> dict[str, int]:
-    """Whole row in one block up to _ONE_PASS_MAX features, else _CHUNK-wide chunks."""
+    """Whole row in one block up to _ONE_PASS_MAX features, else _CHUNK-wide chunks with the
+    activation stashed between the passes."""
     block = triton.next_power_of_2(n)
     if block <= _ONE_PASS_MAX:
-        return {"BLOCK": block, "ONE_PASS": True, "num_warps": max(1, min(8, block // 256))}
-    return {"BLOCK": _CHUNK, "ONE_PASS": False, "num_warps": 8}
+        return {"BLOCK": block, "ONE_PASS": True, "STASH": False,
+                "num_warps": max(1, min(8, block // 256))}
+    return {"BLOCK": _CHUNK, "ONE_PASS": False, "STASH": True, "num_warps": 8}
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _programs(rows: int, cfg: dict[str, int], x: torch.Tensor) -> int:
+    """Grid size: a program per row, or a persistent grid of ``CTAS_PER_SM`` programs per SM
+    (default _STASH_CTAS_PER_SM) for ``STASH``."""
+    if not cfg.get("STASH", False) or cfg["ONE_PASS"]:
+        return rows
+    if not x.is_cuda:
+        return min(rows, _INTERPRETER_PROGRAMS)
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return min(rows, cfg.get("CTAS_PER_SM", _STASH_CTAS_PER_SM) * _sm_count(device))
 
 
 def check_args(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> None:
@@ -336,9 +401,10 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
                      config: dict[str, int] | None = None, other: torch.Tensor | None = None,
                      other_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``). ``config``
-    (``BLOCK``, ``ONE_PASS``, ``num_warps``) overrides :func:`_config`'s choice (benchmarks
-    sweep it); a one-pass block must hold the whole row. ``other``: the rows quantized are
-    ``cat([other, act])`` (or ``[act, other]`` unless ``other_first``)."""
+    (``BLOCK``, ``ONE_PASS``, ``STASH``, ``CTAS_PER_SM``, ``num_warps``) overrides
+    :func:`_config`'s choice (benchmarks sweep it); a one-pass block must hold the whole row.
+    ``other``: the rows quantized are ``cat([other, act])`` (or ``[act, other]`` unless
+    ``other_first``)."""
     n, p, rows = _launch_shape(x, up, activation, other)
     q = torch.empty((rows, n + p), dtype=E4M3, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
@@ -350,12 +416,17 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     cfg = _config(n) if config is None else config
     if cfg["ONE_PASS"] and cfg["BLOCK"] < n:
         raise ValueError(f"a one-pass block of {cfg['BLOCK']} cannot hold rows of {n}")
+    stash = bool(cfg.get("STASH", False)) and not cfg["ONE_PASS"]
+    programs = _programs(rows, cfg, x)
+    # One stash row per program (a placeholder when unused).
+    buf = torch.empty((programs, n) if stash else (1,), dtype=x.dtype, device=x.device)
     with on_device(x):
-        _act_quant_kernel[(rows,)](
-            x3, u3, o3, q, scale, x3.shape[1], n, p, *x3.stride(), *u3.stride(), *o3.stride(),
-            _INV_E4M3_MAX, ACT=ACTIVATIONS.index(activation), BLOCK=cfg["BLOCK"],
-            ONE_PASS=cfg["ONE_PASS"], HAS_OTHER=other is not None, OTHER_FIRST=other_first,
-            NATIVE=native(_act_quant_kernel, x), num_warps=cfg["num_warps"],
+        _act_quant_kernel[(programs,)](
+            x3, u3, o3, q, scale, buf, rows, x3.shape[1], n, p, *x3.stride(), *u3.stride(),
+            *o3.stride(), _INV_E4M3_MAX, ACT=ACTIVATIONS.index(activation), BLOCK=cfg["BLOCK"],
+            ONE_PASS=cfg["ONE_PASS"], STASH=stash, HAS_OTHER=other is not None,
+            OTHER_FIRST=other_first, NATIVE=native(_act_quant_kernel, x),
+            num_warps=cfg["num_warps"],
             # Contractions are written out (tl.fma) where torch's build has them; none else.
             enable_fp_fusion=False,
         )

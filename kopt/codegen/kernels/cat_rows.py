@@ -38,8 +38,8 @@ def row_view(x: torch.Tensor, dim: int) -> torch.Tensor | str:
     inner = math.prod(x.shape[dim + 1:])
     try:
         v = x.view(outer, x.shape[dim], inner)
-    except RuntimeError:
-        return "dims before the cat dim do not collapse to one stride"
+    except (RuntimeError, ValueError):  # a fake tensor's view raises ValueError
+        return "dims before or after the cat dim do not collapse to one stride"
     if inner > 1 and v.stride(2) != 1:
         return "the values after the cat dim are not contiguous in each row"
     return v
