@@ -9,6 +9,7 @@ from torch import nn
 
 from benchmarks.e2e import NaiveFP8Linear, naive_fp8, repeated_blocks, swapped, write_outputs
 from kopt.codegen.kernels.quant_fp8 import quant_fp8_rowwise_reference
+from kopt.models import build
 
 
 def test_naive_fp8_linear_is_rowwise_fp8_of_the_linear() -> None:
@@ -57,6 +58,13 @@ def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  
     assert set(rows) == {"eager-bf16", "kopt-bf16"}
     assert rows["eager-bf16"]["rel_err_vs_eager"] == 0.0
     assert rows["kopt-bf16"]["rel_err_vs_eager"] < 0.05 and rows["kopt-bf16"]["verified"]
+    # the error on the workload's input and on two more drawn like it, each against eager's
+    # output for that input (a pairing mix-up would give eager itself an error)
+    assert data["meta"]["error_inputs"] == 3
+    assert rows["eager-bf16"]["rel_err_inputs"] == [0.0, 0.0, 0.0]
+    errors = rows["kopt-bf16"]["rel_err_inputs"]
+    assert len(errors) == 3 and errors[0] == rows["kopt-bf16"]["rel_err_vs_eager"]
+    assert all(e < 0.05 for e in errors)
     assert rows["kopt-bf16"]["passes"]["hoist"] == 1
     for r in rows.values():
         assert r["forward_ms"] > 0 and r["step_ms"] > r["forward_ms"]  # a step is 2 calls
@@ -68,6 +76,31 @@ def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  
     table = (tmp_path / "e2e.md").read_text()
     assert "| kopt-bf16 |" in table and "Kernel time per forward by category" in table
     assert "Longest kernels of kopt-bf16" in table
+
+
+def test_redrawn_inputs_keep_shapes_scale_and_the_timestep() -> None:
+    from benchmarks.e2e import redrawn_inputs
+
+    w = build("qwen-image-tiny", dtype=torch.bfloat16)
+    kw = redrawn_inputs(w, seed=1)
+    assert kw.keys() == w.kwargs.keys()
+    for k, v in w.kwargs.items():
+        if not isinstance(v, torch.Tensor):
+            assert kw[k] == v
+        elif v.is_floating_point() and v.dim() >= 2:  # latents, text: new values, same scale
+            assert kw[k].shape == v.shape and kw[k].dtype == v.dtype and not torch.equal(kw[k], v)
+            assert abs(kw[k].float().std() / v.float().std() - 1) < 0.2
+        else:  # the timestep, ids, masks: as they were
+            assert torch.equal(kw[k], v)
+    assert torch.equal(redrawn_inputs(w, seed=1)["hidden_states"], kw["hidden_states"])
+
+
+def test_error_cell_gives_the_mean_and_range_over_inputs() -> None:
+    from benchmarks.e2e import error_cell
+
+    assert error_cell({"rel_err_vs_eager": 0.0953}) == "9.53e-02"
+    cell = error_cell({"rel_err_vs_eager": 0.0953, "rel_err_inputs": [0.0953, 0.0941, 0.0962]})
+    assert cell == "9.53e-02; mean 9.520e-02 over 3 inputs (9.410e-02-9.620e-02)"
 
 
 def test_table_ratio_is_best_against_the_baselines_best(tmp_path) -> None:  # noqa: ANN001
