@@ -19,7 +19,8 @@ Variants (each with and without a CUDA graph of the whole forward, where it capt
 
 Per variant: median ms per forward and per denoise step (``calls_per_step`` calls: W1's cond and
 uncond call share the timestep tensor and the latents, differ in the text states), the output's
-relative error against eager-bf16 (cond call), the GPU kernel time by category from
+relative error against eager-bf16 (cond call; on ``--error-inputs`` inputs, 3 by default: the
+workload's, and latents and text drawn again like them), the GPU kernel time by category from
 torch.profiler (with the launch gaps: forward time minus busy kernel time), and for kopt the
 verification verdict. Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` into ``--out-dir``.
 Medians of CUDA-event timings after warm-up, random weights and inputs.
