@@ -312,7 +312,8 @@ def best_forward_ms(row: dict) -> float:
 
 def error_cell(row: dict) -> str:
     """The output error on the workload's inputs, and its mean and range over all the inputs
-    drawn where there were more (FP8 variants differ by ~1% between inputs)."""
+    drawn where there were more: a gap between two variants' errors is then told from how
+    much the error moves from one input to the next."""
     errors = row.get("rel_err_inputs", [row["rel_err_vs_eager"]])
     if len(errors) < 2:
         return f"{errors[0]:.2e}"

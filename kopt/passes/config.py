@@ -87,8 +87,8 @@ class PassConfig:
     cat_rows: bool = True
     """A concatenation of strided views (the V slices of a merged QKV output joined [text;
     image]) -> ``kopt::cat_rows``, whole-row vector copies instead of ATen's element-wise
-    copy (~560 GB/s). Exact. W1 on the H200: 4.4 ms per call saved under CUDA graphs (paired
-    leave-one-out, benchmarks/RESULTS.md session 9)."""
+    copy (~560 GB/s). Exact. W1 on the H200: 4.4 and 2.0 ms per call saved under CUDA graphs in
+    two paired leave-one-out runs (benchmarks/RESULTS.md session 9)."""
 
     hoist: bool | tuple[str, ...] = True
     """Cache work that depends only on conditioning inputs (timestep modulation across a CFG

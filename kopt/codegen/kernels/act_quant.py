@@ -365,11 +365,9 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _programs(rows: int, cfg: dict[str, int], x: torch.Tensor) -> int:
-    """Grid size: a program per row, or a persistent grid of ``CTAS_PER_SM`` programs per SM
-    (default _STASH_CTAS_PER_SM) for ``STASH``."""
-    if not cfg.get("STASH", False) or cfg["ONE_PASS"]:
-        return rows
+def _stash_programs(rows: int, cfg: dict[str, int], x: torch.Tensor) -> int:
+    """A stashing kernel's persistent grid: ``CTAS_PER_SM`` programs per SM (default
+    _STASH_CTAS_PER_SM), at most one per row."""
     if not x.is_cuda:
         return min(rows, _INTERPRETER_PROGRAMS)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -417,7 +415,7 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     if cfg["ONE_PASS"] and cfg["BLOCK"] < n:
         raise ValueError(f"a one-pass block of {cfg['BLOCK']} cannot hold rows of {n}")
     stash = bool(cfg.get("STASH", False)) and not cfg["ONE_PASS"]
-    programs = _programs(rows, cfg, x)
+    programs = _stash_programs(rows, cfg, x) if stash else rows
     # One stash row per program (a placeholder when unused).
     buf = torch.empty((programs, n) if stash else (1,), dtype=x.dtype, device=x.device)
     with on_device(x):
