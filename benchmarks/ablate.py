@@ -63,6 +63,7 @@ from kopt.ablate import (
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.cli import parse_shape
+from kopt.codegen.rowwise import INTERMEDIATES
 from kopt.cost import H200, Calibration, CostModel, DeviceModel, known_device, measure
 from kopt.kb.verdicts import inputs_device, workload_key
 from kopt.models import build
@@ -204,6 +205,7 @@ def main() -> None:
     p.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--fp8", action="store_true", help="FP8 linears (rowwise unless --fp8-layout)")
     p.add_argument("--fp8-layout", choices=LAYOUTS, default="rowwise")
+    p.add_argument("--fp8-intermediates", choices=INTERMEDIATES, default="fp32")
     p.add_argument("--disable", action="append", default=[], metavar="PASS")
     p.add_argument("--enable", action="append", default=[], metavar="PASS",
                    help="turn on a pass that is off by default (e.g. cat_rows)")
@@ -245,7 +247,8 @@ def main() -> None:
     config = PassConfig().replace(**{name: False for name in args.disable},
                                   **{name: True for name in args.enable})
     if args.fp8:
-        config = config.replace(fp8=FP8Config(layout=args.fp8_layout))
+        config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
+                                              intermediates=args.fp8_intermediates))
     t0 = time.perf_counter()
     w = build(args.model, device=args.device, dtype=DTYPES[args.dtype],
               **parse_shape(args.shape))

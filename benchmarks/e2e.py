@@ -45,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kopt
 from kopt.bench import median_ms
+from kopt.codegen.rowwise import INTERMEDIATES
 from kopt.models import Workload, build, main_output
 from kopt.verify import VerifyOptions, relative_error
 
@@ -271,8 +272,9 @@ def run_variant(name: str, w: Workload, uncond: dict, refs: list[tuple[dict, tor
                                args.device))
         torch._dynamo.reset()
         return row
-    config = kopt.PassConfig(fp8=kopt.FP8Config() if name.startswith("kopt-fp8") else None
-                             ).replace(**{p: True for p in args.enable})
+    fp8 = kopt.FP8Config(intermediates=args.fp8_intermediates)
+    config = kopt.PassConfig(fp8=fp8 if name.startswith("kopt-fp8") else None).replace(
+        **{p: True for p in args.enable})
     if name.endswith("-inductor"):
         torch._dynamo.reset()
         reports: list = []
@@ -403,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--error-inputs", type=int, default=3, metavar="N",
                    help="measure the output error on N inputs: the workload's, and N - 1 drawn "
                         "again (same shapes and scale); the table shows their mean and range")
+    p.add_argument("--fp8-intermediates", choices=INTERMEDIATES, default="fp32",
+                   help="kopt-fp8's fused norm + quantizer order (kopt.FP8Config.intermediates)")
     p.add_argument("--enable", action="append", default=[], metavar="PASS",
                    help="turn on a pass that is off by default in the kopt variants")
     args = p.parse_args(argv)
@@ -418,7 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"model": args.model, "description": w.description,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "iters": args.iters}
+            "date": time.strftime("%Y-%m-%d"), "iters": args.iters,
+            "fp8_intermediates": args.fp8_intermediates}
     print(w.description, flush=True)
     ref = w.run()
     refs = [(w.kwargs, ref)]

@@ -133,6 +133,12 @@ CASES = [
     _spec_case("gated res+layernorm+mod+fp8", RowwiseSpec(
         "bfloat16", norm="layer", eps=1e-6, residual=True, gate=True, modulation=True,
         outputs=("residual", "fp8_row"))),
+    _spec_case("layernorm+adaLN+fp8, fp32 steps", RowwiseSpec(
+        "bfloat16", norm="layer", eps=1e-6, modulation=True, outputs=("fp8_row",),
+        intermediates="fp32")),
+    _spec_case("gated res+layernorm+mod+fp8, fp32 steps", RowwiseSpec(
+        "bfloat16", norm="layer", eps=1e-6, residual=True, gate=True, modulation=True,
+        outputs=("residual", "fp8_row"), intermediates="fp32")),
     _spec_case("layernorm+adaLN+fp8 1x128", RowwiseSpec(
         "bfloat16", norm="layer", eps=1e-6, modulation=True, outputs=("fp8_group",))),
     _quant_case("quant fp8 per token", quant_fp8_rowwise_triton, quant_fp8_rowwise_reference),

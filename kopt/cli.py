@@ -29,6 +29,7 @@ class UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from kopt.codegen.rowwise import INTERMEDIATES
     from kopt.models import MODEL_NAMES
     from kopt.passes import PassConfig
     from kopt.passes.config import LAYOUTS
@@ -64,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--fp8-layout", choices=LAYOUTS, default="rowwise",
                    help="rowwise: per output channel x per token; blockwise: 128x128 weight "
                         "blocks x 1x128 activation groups (default: rowwise)")
+    o.add_argument("--fp8-intermediates", choices=INTERMEDIATES, default="fp32",
+                   help="the fused norm kernels' order with --fp8: fp32 rounds each output "
+                        "once (Inductor's order; lower FP8 error), eager rounds every step "
+                        "like the unfused ops (default: fp32)")
     o.add_argument("--no-verify", action="store_true", help="skip verification (not advised)")
     o.add_argument("--seeds", type=int, default=3, help="verification seeds (default: 3)")
     o.add_argument("--explain", metavar="NODE", action="append", default=[],
@@ -179,7 +184,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202
                                   **{p: True for p in args.enable})
     if args.fp8:
         config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
-                                              min_features=args.fp8_min_features))
+                                              min_features=args.fp8_min_features,
+                                              intermediates=args.fp8_intermediates))
     return config
 
 

@@ -202,19 +202,32 @@ class PointwiseProgram:
         return cls(operands, tuple(instrs), outputs)
 
     # -- the reference -------------------------------------------------------------------------
-    def evaluate(self, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Run the program with the aten ops it was built from (any shapes that broadcast)."""
+    def evaluate(self, values: Mapping[str, torch.Tensor], *,
+                 fp32: bool = False) -> list[torch.Tensor]:
+        """Run the program with the aten ops it was built from (any shapes that broadcast).
+
+        ``fp32``: every op on fp32 values (an operand may also be given in fp32), no rounding
+        between ops but the program's explicit casts; the outputs stay fp32 (the caller rounds
+        them once). This is the order of :meth:`triton_source` with ``round_steps=False``."""
         env: dict[str, torch.Tensor] = {}
         for o in self.operands:
             if o.name not in values:
                 raise PointwiseError(f"no value for operand {o.name!r}")
             t = values[o.name]
-            if t.dtype != DTYPES[o.dtype]:
+            if t.dtype != DTYPES[o.dtype] and not (fp32 and t.dtype == torch.float32):
                 raise PointwiseError(f"operand {o.name!r} is {t.dtype}, the program expects "
                                      f"{o.dtype}")
             env[o.name] = t
         for i, ins in enumerate(self.instrs):
             args = [env[a] if isinstance(a, str) else a for a in ins.args]
+            if fp32:
+                if ins.op == "cast":
+                    env[f"%{i}"] = _EVAL["cast"](args, DTYPES[ins.dtype]).float()
+                else:
+                    env[f"%{i}"] = _EVAL[ins.op](
+                        [a.float() if isinstance(a, torch.Tensor) else a for a in args],
+                        torch.float32)
+                continue
             out = _EVAL[ins.op](args, DTYPES[ins.dtype])
             if out.dtype != DTYPES[ins.dtype]:
                 raise PointwiseError(f"instruction %{i} ({ins.op}) gives {out.dtype}, the program "
@@ -223,9 +236,12 @@ class PointwiseProgram:
         return [env[r] for r in self.outputs]
 
     # -- Triton --------------------------------------------------------------------------------
-    def triton_source(self, names: Mapping[str, str], prefix: str = "pw") -> tuple[
-            list[str], list[str]]:
+    def triton_source(self, names: Mapping[str, str], prefix: str = "pw", *,
+                      round_steps: bool = True) -> tuple[list[str], list[str]]:
         """Lines of a Triton kernel body computing the program, and the output expressions.
+
+        ``round_steps=False``: no rounding after each op, only at the program's explicit casts
+        (the outputs are then unrounded fp32: :meth:`evaluate` with ``fp32=True``).
 
         ``names`` maps each operand to a Triton expression holding its value as fp32, shaped to
         broadcast against the tile ([R, C] tile, [R, 1] row and batch-gathered [R, C], [1, C]
@@ -244,7 +260,7 @@ class PointwiseProgram:
             var = f"{prefix}{i}"
             args = [env[a] if isinstance(a, str) else _lit(a) for a in ins.args]
             expr = _emit(ins, args)
-            code = DT_CODE[ins.dtype]
+            code = DT_CODE[ins.dtype] if round_steps or ins.op == "cast" else 0
             lines.append(f"{var} = pw_round({expr}, {code}, CUDA)" if code else f"{var} = {expr}")
             env[f"%{i}"] = var
         return lines, [env[r] for r in self.outputs]

@@ -34,6 +34,15 @@ Numerics, per feature, against the unfused eager ops on the same device:
 * quantized outputs: exact given the result they quantize (the FP8/NVFP4 producers are bitwise
   their references); a result differing by one ulp can move a value to the next FP8/FP4 step.
 
+``intermediates`` picks the order: ``"eager"`` (the above: every step rounded like the eager op)
+or ``"fp32"``: the steps run in fp32 with no rounding between them (the epilogue's explicit casts
+excepted), and each output is rounded once, the quantized ones quantize the unrounded result --
+what Inductor's fused kernels do. The residual stream ``h`` is the one value rounded on the
+way (to x's dtype, as the stored stream later blocks read; the norm reads it so, as it does in
+Inductor's kernels, which store ``h`` and normalise it in the next kernel). Tier ``tolerance``
+either way. Why fp32 is the FP8 default: on W1 and W2 and on CPU Qwen-Image-shaped models its
+FP8 output error against eager BF16 is lower (benchmarks/RESULTS.md, session 10).
+
 :func:`rowwise_reference` is the unfused computation (the CPU implementation and the verifier's
 reference); ``affine_after_round`` picks the norm's affine order: False applies weight/bias in
 fp32 before the single rounding (``aten.layer_norm``; ``aten.rms_norm`` -- checked on the CPU
@@ -84,6 +93,7 @@ from kopt.errors import KoptError
 
 SPEC_VERSION = 1
 NORMS = ("none", "layer", "rms")
+INTERMEDIATES = ("eager", "fp32")  # see the module docstring
 # output kinds in their canonical order, and the tensors each returns
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "out": ("out",),
@@ -115,6 +125,7 @@ class RowwiseSpec:
     modulation: bool = False  # n = (1 + scale) * n + shift, per batch item
     epilogue: PointwiseProgram | None = None
     outputs: tuple[str, ...] = ("out",)
+    intermediates: str = "eager"  # eager | fp32: see the module docstring
     _json: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -153,7 +164,7 @@ class RowwiseSpec:
     @property
     def tier(self) -> str:
         """``exact`` if the fused result is bitwise the unfused eager one, else ``tolerance``."""
-        if self.norm != "none":
+        if self.norm != "none" or self.intermediates != "eager":
             return "tolerance"
         return self.epilogue.tier if self.epilogue is not None else "exact"
 
@@ -166,7 +177,7 @@ class RowwiseSpec:
             "residual_bias": self.residual_bias, "gate": self.gate,
             "modulation": self.modulation,
             "epilogue": None if self.epilogue is None else json.loads(self.epilogue.to_json()),
-            "outputs": list(self.outputs),
+            "outputs": list(self.outputs), "intermediates": self.intermediates,
         }
 
     def to_json(self) -> str:
@@ -178,7 +189,8 @@ class RowwiseSpec:
 
 
 _SPEC_FIELDS = ("version", "dtype", "norm", "eps", "weight", "bias", "affine_after_round",
-                "residual", "residual_bias", "gate", "modulation", "epilogue", "outputs")
+                "residual", "residual_bias", "gate", "modulation", "epilogue", "outputs",
+                "intermediates")
 _FLAGS = ("weight", "bias", "affine_after_round", "residual", "residual_bias", "gate",
           "modulation")
 
@@ -191,6 +203,7 @@ def _parse_spec(text: str) -> RowwiseSpec:
         raise RowwiseError(f"rowwise spec is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise RowwiseError("rowwise spec JSON must be an object")
+    data.setdefault("intermediates", "eager")  # specs written before the field existed
     if set(data) != set(_SPEC_FIELDS):
         missing, extra = set(_SPEC_FIELDS) - set(data), set(data) - set(_SPEC_FIELDS)
         raise RowwiseError(f"rowwise spec fields: missing {sorted(missing)}, unknown "
@@ -207,6 +220,7 @@ def _parse_spec(text: str) -> RowwiseSpec:
     return RowwiseSpec(
         dtype=data["dtype"], norm=data["norm"], eps=data["eps"],
         **{k: data[k] for k in _FLAGS}, epilogue=epilogue, outputs=tuple(data["outputs"]),
+        intermediates=data["intermediates"],
     )
 
 
@@ -215,6 +229,8 @@ def _validate_spec(s: RowwiseSpec) -> None:
         raise RowwiseError(f"dtype {s.dtype!r} is not one of {tuple(DTYPES)}")
     if s.norm not in NORMS:
         raise RowwiseError(f"norm {s.norm!r} is not one of {NORMS}")
+    if s.intermediates not in INTERMEDIATES:
+        raise RowwiseError(f"intermediates {s.intermediates!r} is not one of {INTERMEDIATES}")
     for k in _FLAGS:
         if not isinstance(getattr(s, k), bool):
             raise RowwiseError(f"{k} must be a bool, got {getattr(s, k)!r}")
@@ -400,11 +416,16 @@ def _allocate(c: _Call) -> dict[str, torch.Tensor]:
 
 def rowwise_reference(spec: RowwiseSpec, inputs: Mapping[str, torch.Tensor] | Sequence[
         torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The unfused computation of ``spec``, one aten op per step, in the model's order."""
+    """The unfused computation of ``spec``, one aten op per step, in the model's order (with
+    ``intermediates="fp32"``: the same ops on fp32 values, each output rounded once)."""
     seq = [inputs[n] for n in spec.input_names()] if isinstance(inputs, Mapping) else inputs
     c = _check_call(spec, seq)
     rows, cols, b = c.rows, c.cols, c.batch
     tokens = rows // b
+    fp32 = spec.intermediates == "fp32"
+    if fp32:  # the epilogue's operands keep their dtypes: its explicit casts read them
+        c.x = c.x.float()
+        c.t = {k: v if k.startswith("ep_") else v.float() for k, v in c.t.items()}
 
     def tile(v: torch.Tensor) -> torch.Tensor:
         return v.reshape(b, tokens, cols)
@@ -421,7 +442,7 @@ def rowwise_reference(spec: RowwiseSpec, inputs: Mapping[str, torch.Tensor] | Se
             t = t + c.t["residual_bias"]
         if spec.gate:
             t = per_batch(c.t["gate"]) * t
-        h = x + t
+        h = (x + t).to(DTYPES[spec.dtype]).to(x.dtype)  # the stream's dtype, in either order
     n = h
     w, bias = c.t.get("weight"), c.t.get("bias")
     if spec.norm == "layer":
@@ -455,14 +476,14 @@ def rowwise_reference(spec: RowwiseSpec, inputs: Mapping[str, torch.Tensor] | Se
             elif o.kind == "scalar":
                 v = v.reshape(())
             values[o.name] = v
-        result = spec.epilogue.evaluate(values)[0]
+        result = spec.epilogue.evaluate(values, fp32=fp32)[0]
     shape = (*c.lead, cols)
     result = result.reshape(shape)
     for kind in spec.outputs:
         if kind == "out":
-            res["out"] = result
+            res["out"] = result.to(spec.result_dtype)
         elif kind == "residual":
-            res["residual"] = h.reshape(shape)
+            res["residual"] = h.reshape(shape).to(DTYPES[spec.dtype])
         elif kind == "fp8_row":
             res["fp8_row"], res["fp8_row_scale"] = quant_fp8_rowwise_reference(result)
         elif kind == "fp8_group":
@@ -499,10 +520,13 @@ def rowwise_kernel(
     NORM: tl.constexpr, WEIGHT: tl.constexpr, BIAS: tl.constexpr, AFTER_ROUND: tl.constexpr,
     MODULATION: tl.constexpr, OUT: tl.constexpr, RES_OUT: tl.constexpr,
     FP8_ROW: tl.constexpr, FP8_GROUP: tl.constexpr, NVFP4: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr,
+    SDT: tl.constexpr, ODT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    CUDA: tl.constexpr,
 ):
     """ROWS rows per program, each row one BLOCK-wide tile in fp32; NORM: 0 none, 1 layer,
-    2 rms; XDT: the dtype every step rounds to (0 fp32, 1 bf16, 2 fp16)."""
+    2 rms; XDT: x's dtype; SDT: the dtype every step rounds to (XDT, or 0 = fp32: no rounding
+    between steps, the outputs rounded once, to XDT and ODT, the result's dtype); dtype codes
+    0 fp32, 1 bf16, 2 fp16."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, BLOCK)
     rmask = row < rows
@@ -517,13 +541,15 @@ def rowwise_kernel(
                     other=0.0).to(tl.float32)
         if RBIAS:
             rb = tl.load(rbias_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-            t = pw_round(t + rb[None, :], XDT, CUDA)
+            t = pw_round(t + rb[None, :], SDT, CUDA)
         if GATE:
             item = (row // tokens_gate).to(tl.int64)
             gt = tl.load(gate_ptr + item[:, None] * stride_gate + col[None, :], mask=mask,
                          other=0.0).to(tl.float32)
-            t = pw_round(gt * t, XDT, CUDA)
-        h = pw_round(h + t, XDT, CUDA)
+            t = pw_round(gt * t, SDT, CUDA)
+        h = pw_round(h + t, SDT, CUDA)
+        if SDT != XDT:  # the residual stream is a tensor of x's dtype: the norm reads it so
+            h = pw_round(h, XDT, CUDA)
         if RES_OUT:
             tl.store(res_ptr + out_offs, h.to(res_ptr.dtype.element_ty), mask=mask)
     n = h
@@ -536,31 +562,34 @@ def rowwise_kernel(
         rstd = pw_rsqrt(tl.sum(d * d, axis=1) * inv_cols + eps, CUDA)
         n = d * rstd[:, None]
         if AFTER_ROUND:
-            n = pw_round(n, XDT, CUDA)
+            n = pw_round(n, SDT, CUDA)
         if WEIGHT:
             w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
             n = n * w[None, :]
             if AFTER_ROUND:
-                n = pw_round(n, XDT, CUDA)
+                n = pw_round(n, SDT, CUDA)
         if BIAS:
             bb = tl.load(b_ptr + col, mask=cmask, other=0.0).to(tl.float32)
             n = n + bb[None, :]
             if AFTER_ROUND:
-                n = pw_round(n, XDT, CUDA)
+                n = pw_round(n, SDT, CUDA)
         if not AFTER_ROUND:
-            n = pw_round(n, XDT, CUDA)
+            n = pw_round(n, SDT, CUDA)
     if MODULATION:
         item = (row // tokens_mod).to(tl.int64)
         sc = tl.load(scale_ptr + item[:, None] * stride_scale + col[None, :], mask=mask,
                      other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + item[:, None] * stride_shift + col[None, :], mask=mask,
                      other=0.0).to(tl.float32)
-        n = pw_round(pw_round(1.0 + sc, XDT, CUDA) * n, XDT, CUDA)
-        n = pw_round(n + sh, XDT, CUDA)
+        n = pw_round(pw_round(1.0 + sc, SDT, CUDA) * n, SDT, CUDA)
+        n = pw_round(n + sh, SDT, CUDA)
 {ep_body}
     r = tl.where(mask, {result}, 0.0)
     if OUT:
-        tl.store(out_ptr + out_offs, r.to(out_ptr.dtype.element_ty), mask=mask)
+        ro = r
+        if SDT != XDT and not CUDA:
+            ro = pw_round(r, ODT, CUDA)
+        tl.store(out_ptr + out_offs, ro.to(out_ptr.dtype.element_ty), mask=mask)
     if FP8_ROW:
         fp8_rowwise_store(r, row, rows, col, cols, q8_ptr, s8_ptr, CUDA)
     if FP8_GROUP:
@@ -580,8 +609,9 @@ _LOADS = {
 }
 
 
-def kernel_source(epilogue: PointwiseProgram | None) -> str:
-    """The generated module for ``epilogue`` (the rest of a spec only sets constexpr flags)."""
+def kernel_source(epilogue: PointwiseProgram | None, round_steps: bool = True) -> str:
+    """The generated module for ``epilogue`` (the rest of a spec only sets constexpr flags);
+    ``round_steps``: the epilogue rounds after each op (``intermediates="eager"``)."""
     params, body, result = "", [], "n"
     if epilogue is not None:
         names = {EPILOGUE_INPUT: "n"}
@@ -593,7 +623,7 @@ def kernel_source(epilogue: PointwiseProgram | None) -> str:
             params += f"\n    {p}_ptr, {p}_stride, {p}_tokens,"
             body.append(f"ev_{o.name} = {_LOADS[o.kind].format(p=p)}")
             names[o.name] = f"ev_{o.name}"
-        lines, outs = epilogue.triton_source(names, prefix="e")
+        lines, outs = epilogue.triton_source(names, prefix="e", round_steps=round_steps)
         body += lines
         result = outs[0]
     return _TEMPLATE.format(
@@ -604,15 +634,17 @@ def kernel_source(epilogue: PointwiseProgram | None) -> str:
 
 
 @functools.lru_cache(maxsize=128)
-def _kernel(epilogue_json: str | None) -> Any:
+def _kernel(epilogue_json: str | None, round_steps: bool = True) -> Any:
     ep = None if epilogue_json is None else PointwiseProgram.from_json(epilogue_json)
-    source = kernel_source(ep)
+    source = kernel_source(ep, round_steps)
     return load_generated_module(source, "rowwise").rowwise_kernel
 
 
 def kernel_for(spec: RowwiseSpec) -> Any:
     """The compiled-on-demand Triton kernel of ``spec`` (shared by specs with one epilogue)."""
-    return _kernel(None if spec.epilogue is None else spec.epilogue.to_json())
+    if spec.epilogue is None:
+        return _kernel(None)
+    return _kernel(spec.epilogue.to_json(), spec.intermediates == "eager")
 
 
 @dataclass
@@ -714,7 +746,9 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
         AFTER_ROUND=spec.affine_after_round, MODULATION=spec.modulation,
         OUT="out" in out, RES_OUT="residual" in out, FP8_ROW="fp8_row" in out,
         FP8_GROUP="fp8_group" in out, NVFP4="nvfp4" in out,
-        ROWS=rows_per, BLOCK=block, CUDA=mirror_cuda(kernel, x),
+        SDT=DT_CODE[spec.dtype] if spec.intermediates == "eager" else 0,
+        ODT=DT_CODE[DTYPE_NAMES[spec.result_dtype]], ROWS=rows_per, BLOCK=block,
+        CUDA=mirror_cuda(kernel, x),
     )
     index = {n: k for k, n in enumerate(spec.input_names())}
     views = {"x": x, **t}

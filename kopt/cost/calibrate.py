@@ -49,7 +49,7 @@ from torch import fx
 
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
-from kopt.cost.device import DeviceModel
+from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel
 from kopt.profile import Attribution, NodeCost, host_times, profile_graph
 
 # The time a profiler gives an op below this is mostly its own overhead: not a rate sample.
@@ -256,9 +256,9 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
         launch_us=launch_us, view_us=view_us, host_us=host_us, kernel_us=kernel_us,
         fixed_us=fixed_us, efficiency=efficiency,
         graph_launch_us=(base.graph_launch_us if base else None), asynchronous=cuda)
-    model = model.with_(efficiency={**_layout_priors(base, model.efficiency),
-                                    **model.efficiency,
-                                    **_op_efficiencies(model, samples, roof, min_nodes)})
+    rates = {**model.efficiency, **_op_efficiencies(model, samples, roof, min_nodes)}
+    rates |= _epilogue_rates(rates)
+    model = model.with_(efficiency={**_layout_priors(base, rates), **rates})
     note = ""
     if wall_ms is not None:
         model, note = _fit_walls(model, [counts for counts, _ in pairs], wall_ms)
@@ -317,6 +317,14 @@ def _unmeasured_rates(base: DeviceModel, samples: Sequence[_Sample], roof: Seque
         if prior is not None:
             out[key] = prior
     return out
+
+
+def _epilogue_rates(fitted: Mapping[str, float]) -> dict[str, float]:
+    """The rate of a GEMM without a bias epilogue from its biased kernels' where the trace had
+    only those (W1: every linear has a bias); the other way round
+    :meth:`DeviceModel.efficiency_of` applies :data:`EPILOGUE_SLOWDOWN` itself."""
+    return {op: fitted[f"{op}[bias]"] * slowdown for op, slowdown in EPILOGUE_SLOWDOWN.items()
+            if f"{op}[bias]" in fitted and op not in fitted}
 
 
 def _layout_priors(base: DeviceModel | None, fitted: Mapping[str, float]) -> dict[str, float]:

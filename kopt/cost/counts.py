@@ -83,7 +83,7 @@ class OpCount:
     kernel: bool  # False for views: no launch, no bytes
     cached: str | None = None  # in a hoisted region keyed on "step" or "static" inputs
     dispatched: bool = True  # an aten/kopt op (False: Python such as operator.getitem)
-    layout: str = ""  # an aten element-wise op's operands: "broadcast", "strided" (see layout)
+    layout: str = ""  # "broadcast", "strided" (element-wise operands), "bias" (see layout)
 
     @property
     def rate_key(self) -> str:
@@ -220,8 +220,14 @@ def layout(node: fx.Node) -> str:
     projection, a transposed view), ``""`` (all contiguous, the same shape). ATen's
     element-wise kernels vectorize only contiguous operands; fitted to W1 on an H200, a bias
     add over a whole activation runs at 0.39 of the copy bandwidth, a plain add at 1.08. Read
-    from the traced tensors, so the class holds for every size of a symbolic graph."""
+    from the traced tensors, so the class holds for every size of a symbolic graph.
+
+    And ``bias`` for an FP8 GEMM that adds a bias in its epilogue (cuBLAS's bias kernels are
+    3% slower: :data:`kopt.cost.device.EPILOGUE_SLOWDOWN`)."""
     target = node.target
+    if target is torch.ops.aten._scaled_mm.default:
+        bias = node.args[4] if len(node.args) > 4 else node.kwargs.get("bias")
+        return "bias" if bias is not None else ""
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" \
             or op_category(qualified_name(target)) != "elementwise":
         return ""

@@ -47,6 +47,14 @@ class Prediction:
     by_category: Mapping[str, float] = field(default_factory=dict)  # kernel ms per category
 
 
+# Time of a GEMM with a bias epilogue over the same GEMM without (rate key ``op[bias]``, see
+# :func:`kopt.cost.counts.layout`). H200, cuBLAS FP8 at W1's four GEMM shapes (4096 x {9216,
+# 3072, 12288, 3072} x {3072, 3072, 3072, 12288}): 799.8 us with a bias, 774.3 without
+# (benchmarks/probes/bias_add.py, RESULTS.md session 10). Without it, what absorbing the biases
+# saves was overpredicted by the whole epilogue's cost.
+EPILOGUE_SLOWDOWN: dict[str, float] = {"aten::_scaled_mm": 1.033}
+
+
 @dataclass(frozen=True)
 class DeviceModel:
     name: str
@@ -74,10 +82,13 @@ class DeviceModel:
 
     def efficiency_of(self, c: OpCount) -> float:
         """By op and operand layout (``aten::add[broadcast]``), else op, else category, else
-        ``*`` (every other kernel), else 1."""
+        ``*`` (every other kernel), else 1. A GEMM with a bias epilogue (``[bias]``) without a
+        rate of its own runs :data:`EPILOGUE_SLOWDOWN` slower than its op's rate."""
         for key in (c.rate_key, c.op, c.category, "*"):
             if key in self.efficiency:
-                return self.efficiency[key]
+                slowdown = EPILOGUE_SLOWDOWN.get(c.op, 1.0) if (
+                    c.layout == "bias" and key != c.rate_key) else 1.0
+                return self.efficiency[key] / slowdown
         return 1.0
 
     def fixed_of(self, c: OpCount) -> float:

@@ -22,9 +22,21 @@ class FP8Config:
     """Linears with fewer input or output features stay as they are (the naive FP8 recipe's
     threshold: below it quantizing costs more than the faster GEMM saves)."""
 
+    intermediates: str = "fp32"
+    """How the fused norm kernels (``rowwise_fusion``) compute: ``fp32`` from the residual
+    update to the quantizer, each output rounded once (Inductor's order; a lower FP8 output
+    error against eager BF16 on W1 and W2: benchmarks/RESULTS.md session 10); ``eager``: every
+    step rounded to the model's dtype as the unfused ops do (the FP8 values bitwise those of
+    the unfused graph, given the norm). See :mod:`kopt.codegen.rowwise`."""
+
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown fp8 layout {self.layout!r}; layouts: {', '.join(LAYOUTS)}")
+        from kopt.codegen.rowwise import INTERMEDIATES  # noqa: PLC0415 -- config stays light
+
+        if self.intermediates not in INTERMEDIATES:
+            raise ValueError(f"unknown fp8 intermediates {self.intermediates!r}; valid: "
+                             f"{', '.join(INTERMEDIATES)}")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from kopt.patterns.fp8 import fp8_linear
 from kopt.patterns.gemm_epilogue import GEMM_EPILOGUE
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
-from kopt.patterns.rowwise_fusion import ROWWISE_FUSIONS
+from kopt.patterns.rowwise_fusion import rowwise_fusions
 from kopt.verify import VerifyOptions, agree_across_ranks, compare
 
 if TYPE_CHECKING:
@@ -60,7 +60,9 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     # before rowwise_fusion: it would take the same norms without the all-reduce
     ("fuse_allreduce_norm",
      lambda c: RewritePass("fuse_allreduce_norm", list(ALLREDUCE_NORM_FUSIONS))),
-    ("rowwise_fusion", lambda c: RewritePass("rowwise_fusion", list(ROWWISE_FUSIONS))),
+    # (ablations flip fp8 to False: no FP8, every step rounded as the model's ops do)
+    ("rowwise_fusion", lambda c: RewritePass("rowwise_fusion", list(rowwise_fusions(
+        getattr(c.fp8, "intermediates", "eager"))))),
     ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
     ("cat_rows", lambda c: CatRows()),  # the cats no fusion took, weights' folded already
     ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),

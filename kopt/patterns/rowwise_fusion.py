@@ -52,7 +52,7 @@ import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers kopt::quant_fp8
 import kopt.codegen.rowwise  # noqa: F401 -- registers kopt::rowwise
 from kopt.codegen.kernels.quant_fp8 import MAX_COLS
 from kopt.codegen.pointwise import DTYPE_NAMES, PointwiseProgram, try_from_fx
-from kopt.codegen.rowwise import EPILOGUE_INPUT, RowwiseError, RowwiseSpec
+from kopt.codegen.rowwise import EPILOGUE_INPUT, INTERMEDIATES, RowwiseError, RowwiseSpec
 from kopt.graph import (
     constant_nodes,
     describe_node,
@@ -292,7 +292,8 @@ def _depends_on_site(site: Site, order: dict[fx.Node, int]) -> str | None:
     return None
 
 
-def _finder(flavour: Flavour) -> Callable[[fx.GraphModule], Iterator[Match | Rejection]]:
+def _finder(flavour: Flavour, intermediates: str = "eager"
+            ) -> Callable[[fx.GraphModule], Iterator[Match | Rejection]]:
     def find(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         consts = constant_nodes(gm.graph)
@@ -312,7 +313,8 @@ def _finder(flavour: Flavour) -> Callable[[fx.GraphModule], Iterator[Match | Rej
             if isinstance(found, _Miss):
                 yield Rejection(flavour.name, anchor.name, found.reason, found.near_miss)
                 continue
-            yield Match(flavour.name, anchor, found.nodes, {"site": found})
+            yield Match(flavour.name, anchor, found.nodes,
+                        {"site": found, "intermediates": intermediates})
     return find
 
 
@@ -378,8 +380,9 @@ def _modulation(site: Site, dtype: torch.dtype) -> tuple[fx.Node, fx.Node] | Non
     return scale, shift
 
 
-def plan(gm: fx.GraphModule, site: Site) -> Plan | str:
-    """The ``kopt::rowwise`` call that replaces ``site``, or why there is none."""
+def plan(gm: fx.GraphModule, site: Site, intermediates: str = "eager") -> Plan | str:
+    """The ``kopt::rowwise`` call that replaces ``site``, or why there is none
+    (``intermediates``: the spec's, see :mod:`kopt.codegen.rowwise`)."""
     norm = site.norm
     hv = tensor_meta(norm.x)
     dtype, cols = hv.dtype, hv.shape[-1] if hv.dim() else 0
@@ -474,7 +477,8 @@ def plan(gm: fx.GraphModule, site: Site) -> Plan | str:
             dtype=DTYPE_NAMES[dtype], norm=norm.kind, eps=norm.eps, weight=norm.weight is not None,
             bias=norm.bias is not None, affine_after_round=after_round,
             residual=site.h is not None, gate=site.gate is not None,
-            modulation=modulation is not None, epilogue=epilogue, outputs=tuple(outputs))
+            modulation=modulation is not None, epilogue=epilogue, outputs=tuple(outputs),
+            intermediates=intermediates)
         ordered = {name: inputs[name] for name in spec.input_names()}
         with fake_mode_of(gm):  # the op's own checks (shapes, batch sizes, dtypes)
             ROWWISE([tensor_meta(n) for n in ordered.values()], spec.to_json())
@@ -484,7 +488,7 @@ def plan(gm: fx.GraphModule, site: Site) -> Plan | str:
 
 
 def _why_not(gm: fx.GraphModule, match: Match) -> str | None:
-    p = plan(gm, match.bindings["site"])
+    p = plan(gm, match.bindings["site"], match.bindings.get("intermediates", "eager"))
     return p if isinstance(p, str) else None
 
 
@@ -511,7 +515,7 @@ def splice(gm: fx.GraphModule, match: Match, op: Any, label: str,
     read): its outputs take over the residual stream, the norm chain's end and the quantized
     values; the site's nodes and ``extra_dead`` are erased."""
     site: Site = match.bindings["site"]
-    p = plan(gm, site)
+    p = plan(gm, site, match.bindings.get("intermediates", "eager"))
     if isinstance(p, str):  # the pass runs the guard first
         raise RuntimeError(f"{match.rewrite} at {match.site}: {p}")
     g = gm.graph
@@ -578,6 +582,9 @@ def describe(match: Match) -> str:
 NUMERICS = tolerance("the norm reduces in another order than PyTorch's kernels (one ulp of its "
                      "rounded output on a few elements); residual, modulation, epilogue and "
                      "quantization round like the eager ops")
+NUMERICS_FP32 = tolerance("fp32 from the residual update to the outputs, no rounding between "
+                          "steps (Inductor's order): each output rounded once, the FP8 values "
+                          "quantized from the unrounded result")
 
 FLAVOURS = (
     Flavour("fuse_residual_norm_quant", residual=True, quant=True, benefit=40,
@@ -591,18 +598,26 @@ FLAVOURS = (
 )
 
 
-def rowwise_rewrite(flavour: Flavour) -> StructuralRewrite:
+def rowwise_rewrite(flavour: Flavour, intermediates: str = "eager") -> StructuralRewrite:
+    """``intermediates``: ``"eager"`` (every step rounded like the eager op) or ``"fp32"``
+    (:data:`NUMERICS_FP32`); see :mod:`kopt.codegen.rowwise`."""
+    if intermediates not in INTERMEDIATES:
+        raise ValueError(f"intermediates {intermediates!r} is not one of {INTERMEDIATES}")
     return StructuralRewrite(
         name=flavour.name,
-        matcher=_finder(flavour),
+        matcher=_finder(flavour, intermediates),
         applier=fuse,
         guard_fn=_why_not,
         describer=describe,
-        numerics=NUMERICS,
+        numerics=NUMERICS if intermediates == "eager" else NUMERICS_FP32,
         benefit=flavour.benefit,
         description=flavour.rule,
     )
 
 
-ROWWISE_FUSIONS: Sequence[StructuralRewrite] = tuple(rowwise_rewrite(f) for f in FLAVOURS)
+def rowwise_fusions(intermediates: str = "eager") -> tuple[StructuralRewrite, ...]:
+    return tuple(rowwise_rewrite(f, intermediates) for f in FLAVOURS)
+
+
+ROWWISE_FUSIONS: Sequence[StructuralRewrite] = rowwise_fusions()
 RESIDUAL_NORM_QUANT, NORM_QUANT, RESIDUAL_NORM, NORM_MODULATION = ROWWISE_FUSIONS

@@ -187,6 +187,26 @@ def test_spec_json_rejects_bad_input(text: str, reason: str) -> None:
         RowwiseSpec.from_json(text)
 
 
+def test_intermediates_in_the_spec() -> None:
+    eager = RowwiseSpec("bfloat16", residual=True, modulation=True, outputs=("out", "fp8_row"))
+    fp32 = RowwiseSpec("bfloat16", residual=True, modulation=True, outputs=("out", "fp8_row"),
+                       intermediates="fp32")
+    assert eager.tier == "exact" and fp32.tier == "tolerance"
+    assert RowwiseSpec.from_json(fp32.to_json()) == fp32 and fp32.to_json() != eager.to_json()
+    # a spec written before the field existed reads as the eager order
+    old = {k: v for k, v in json.loads(eager.to_json()).items() if k != "intermediates"}
+    assert RowwiseSpec.from_json(json.dumps(old)) == eager
+    with pytest.raises(RowwiseError, match="intermediates 'fp16'"):
+        RowwiseSpec("bfloat16", intermediates="fp16")
+    # the epilogue's own rounding is compiled in: one kernel per order
+    ep = RowwiseSpec("bfloat16", epilogue=_epilogue())
+    assert kernel_for(ep) is not kernel_for(RowwiseSpec("bfloat16", epilogue=_epilogue(),
+                                                        intermediates="fp32"))
+    assert "pw_round" in kernel_source(_epilogue()) and "pw_round(" not in "".join(
+        line for line in kernel_source(_epilogue(), round_steps=False).splitlines()
+        if line.lstrip().startswith("e"))
+
+
 # -- the kernel against the unfused ops ----------------------------------------------------------
 
 @pytest.mark.parametrize("b, t, c", [(1, 1, 16), (2, 65, 80), (1, 3, 208)])
@@ -293,6 +313,66 @@ def test_strided_rows_and_batch_vectors() -> None:
     assert _bitwise(got["residual"], ref["residual"])
     assert int(_ulps(got["out"], ref["out"]).max()) <= 1
     _quantized_from_out(spec, ins, got)
+
+
+# -- fp32 intermediates -----------------------------------------------------------------------
+
+def _fp8_steps_apart(got: dict, ref: dict) -> torch.Tensor:
+    """How many e4m3 grid steps apart two quantized outputs are, per value (scales included)."""
+    a = got["fp8_row"].float() * got["fp8_row_scale"]
+    b = ref["fp8_row"].float() * ref["fp8_row_scale"]
+    # the e4m3 step at a value: 2^(exponent - 3), 2^-9 among subnormals; of the scaled value
+    v = torch.maximum(got["fp8_row"].float().abs(), ref["fp8_row"].float().abs())
+    step = torch.exp2(torch.floor(torch.log2(v.clamp(min=2.0**-6))) - 3) * ref["fp8_row_scale"]
+    return ((a - b).abs() / step).round()
+
+
+@pytest.mark.parametrize("b, t, c", [(1, 1, 16), (2, 65, 80), (1, 3, 208)])
+def test_fp32_intermediates_kernel_is_its_reference(b: int, t: int, c: int) -> None:
+    """Gated residual + LayerNorm + adaLN + every output, no rounding between steps: the
+    residual (fp32 arithmetic, one rounding) is bitwise, the norm's output within one ulp, and
+    the FP8 values quantize the kernel's unrounded result: at most one e4m3 step from the
+    reference's, on few values."""
+    spec = RowwiseSpec("bfloat16", norm="layer", eps=1e-6, residual=True, residual_bias=True,
+                       gate=True, modulation=True, outputs=ALL_OUTPUTS, intermediates="fp32")
+    ins = _inputs(spec, b, t, c)
+    got, ref = _run(spec, ins)
+    assert _bitwise(got["residual"], ref["residual"])
+    assert int(_ulps(got["out"], ref["out"]).max()) <= 1
+    apart = _fp8_steps_apart(got, ref)
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 0.05
+    assert torch.allclose(got["fp8_row_scale"], ref["fp8_row_scale"], rtol=2**-20, atol=0)
+
+
+def test_fp32_intermediates_are_closer_to_fp64_than_the_eager_order() -> None:
+    """The point of the order: one rounding instead of five between the residual update and the
+    modulated output. Fails if the kernel or the reference rounded a step anyway."""
+    kw = dict(norm="layer", eps=1e-6, residual=True, gate=True, modulation=True,
+              outputs=("out", "fp8_row"))
+    eager, fp32 = RowwiseSpec("bfloat16", **kw), RowwiseSpec("bfloat16", **kw,
+                                                             intermediates="fp32")
+    ins = _inputs(eager, 2, 8, 256)
+    exact64 = _fp64(eager, ins)
+    for run in (rowwise_triton, rowwise_reference):
+        e_eager = relative_error(run(eager, [ins[n] for n in eager.input_names()])["out"], exact64)
+        e_fp32 = relative_error(run(fp32, [ins[n] for n in fp32.input_names()])["out"], exact64)
+        assert e_fp32 < 0.8 * e_eager, (run.__name__, e_fp32, e_eager)
+
+
+def test_fp32_intermediates_keep_the_epilogues_explicit_casts() -> None:
+    """An epilogue computes in fp32 between ops, but a cast the model wrote still rounds:
+    x * 3 -> bf16 -> * 5 differs from x * 15 on some values."""
+    bf, f32 = "bfloat16", "float32"
+    ep = PointwiseProgram((Operand("x", "tile", bf),),
+                          (Instr("cast", ("x",), f32), Instr("mul", ("%0", 3.0), f32),
+                           Instr("cast", ("%1",), bf), Instr("mul", ("%2", 5.0), bf)), ("%3",))
+    spec = RowwiseSpec(bf, epilogue=ep, intermediates="fp32")
+    ins = _inputs(spec, 1, 4, 200)
+    got, ref = _run(spec, ins)
+    assert _bitwise(got["out"], ref["out"])
+    x = ins["x"].float()
+    assert torch.equal(ref["out"], ((x * 3).bfloat16().float() * 5).bfloat16())
+    assert not torch.equal(ref["out"], (x * 15).bfloat16())
 
 
 # -- the custom op ------------------------------------------------------------------------------
@@ -447,6 +527,11 @@ specs = [
                    modulation=True, outputs=("out", "residual", "fp8_row", "fp8_group", "nvfp4")),
     rw.RowwiseSpec(bf, norm="rms", weight=True, bias=True, affine_after_round=True, epilogue=ep,
                    outputs=("out", "fp8_row")),
+    rw.RowwiseSpec(bf, norm="layer", residual=True, residual_bias=True, gate=True,
+                   modulation=True, outputs=("out", "residual", "fp8_row", "fp8_group", "nvfp4"),
+                   intermediates="fp32"),
+    rw.RowwiseSpec(bf, norm="rms", weight=True, bias=True, affine_after_round=True, epilogue=ep,
+                   outputs=("out", "fp8_row"), intermediates="fp32"),
 ]
 ptx = []
 for spec in specs:
@@ -479,9 +564,10 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.split("\n")
     # hardware e4m3 casts, IEEE divisions, bf16 rounding; never an approximate division
-    assert lines[0] == "0 e4m3 div.rn bf16 -"
-    assert lines[1] == "1 e4m3 div.rn bf16 -"
-    assert lines[2:5] == ["2 e4m3 div.rn - -", "3 e4m3 div.rn - -", "4 e4m3 div.rn - -"]
+    # (the first two specs with every step rounded, the next two with fp32 intermediates:
+    # the last one's only rounding is its epilogue's explicit cast to fp16)
+    assert lines[:4] == [f"{i} e4m3 div.rn bf16 -" for i in range(3)] + ["3 e4m3 div.rn - -"]
+    assert lines[4:7] == ["4 e4m3 div.rn - -", "5 e4m3 div.rn - -", "6 e4m3 div.rn - -"]
 
 
 @pytest.mark.parametrize("rows_per", [1, 4])

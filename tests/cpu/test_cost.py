@@ -605,6 +605,43 @@ def test_a_layout_the_trace_lacks_keeps_the_base_models_rate() -> None:
     assert fitted.efficiency_of(counts[-1]) == pytest.approx(0.4, rel=1e-3)  # measured, kept
 
 
+def test_a_gemm_with_a_bias_epilogue_is_costed_slower_than_without() -> None:
+    """What absorb_bias saves is the bias add less the epilogue it adds to the GEMM: a biased
+    FP8 GEMM is counted as such, costed EPILOGUE_SLOWDOWN slower than the op's rate where it
+    has none of its own, and a trace of biased GEMMs only (W1) gives the plain GEMM its rate
+    back through the same factor."""
+    from kopt.cost.calibrate import _epilogue_rates
+    from kopt.cost.counts import count_node
+    from kopt.cost.device import EPILOGUE_SLOWDOWN
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    a, w, sa, sw, b = (g.placeholder(n) for n in ("a", "w", "sa", "sw", "b"))
+    a.meta["val"] = torch.empty(64, 128, device="meta", dtype=torch.float8_e4m3fn)
+    w.meta["val"] = torch.empty(128, 256, device="meta", dtype=torch.float8_e4m3fn)
+    sa.meta["val"], sw.meta["val"] = (torch.empty(64, 1, device="meta"),
+                                      torch.empty(1, 256, device="meta"))
+    b.meta["val"] = torch.empty(256, device="meta", dtype=torch.bfloat16)
+    kw = {"out_dtype": torch.bfloat16}
+    plain = g.call_function(aten._scaled_mm.default, (a, w, sa, sw), kw)
+    biased = g.call_function(aten._scaled_mm.default, (a, w, sa, sw, b), kw)
+    for n in (plain, biased):
+        n.meta["val"] = torch.empty(64, 256, device="meta", dtype=torch.bfloat16)
+    cp, cb = count_node(plain), count_node(biased)
+    assert (cp.rate_key, cb.rate_key) == ("aten::_scaled_mm", "aten::_scaled_mm[bias]")
+    slowdown = EPILOGUE_SLOWDOWN["aten::_scaled_mm"]
+    assert slowdown > 1
+    model = H200.with_(efficiency={"aten::_scaled_mm": 0.7}, fixed_us={}, kernel_us=0.0)
+    assert model.efficiency_of(cb) == pytest.approx(0.7 / slowdown)
+    # (the biased GEMM also reads its bias: 512 bytes, 0.7% more)
+    assert slowdown < model.kernel_ms(cb) / model.kernel_ms(cp) < slowdown * 1.01
+    own = model.with_(efficiency={"aten::_scaled_mm": 0.7, "aten::_scaled_mm[bias]": 0.5})
+    assert own.efficiency_of(cb) == 0.5  # a measured rate is kept
+    assert _epilogue_rates({"aten::_scaled_mm[bias]": 0.6}) == {
+        "aten::_scaled_mm": pytest.approx(0.6 * slowdown)}
+    assert _epilogue_rates({"aten::_scaled_mm[bias]": 0.6, "aten::_scaled_mm": 0.7}) == {}
+
+
 def test_a_reshape_that_can_view_its_input_is_a_view_whatever_its_traced_storage() -> None:
     """A pass traces its new nodes' values one by one (another storage than the input's): the
     reshape of a contiguous activation to 2-D is still a view; flattening a transposed one is

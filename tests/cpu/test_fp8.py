@@ -69,6 +69,28 @@ def test_fires_after_the_merge_and_quantizes_weights_at_load() -> None:
     assert result.verdict is not None and result.verdict.passed
 
 
+@pytest.mark.parametrize("layout", ["rowwise", "blockwise"])
+def test_linears_of_one_input_share_its_quantizer_when_not_merged(layout: str) -> None:
+    """With merge_projections off, q/k/v stay three GEMMs of one activation: it is quantized
+    once (the pass runs after CSE, which cannot share the quantizers it adds)."""
+    dim = 128 if layout == "rowwise" else 512  # blockwise: K a multiple of 4 x 128
+    model = QKV(dim, v_extra=0).eval()
+    x = torch.randn(2, 5, dim)
+    passes = kopt.PassConfig(fp8=FP8Config(min_features=16, layout=layout),
+                             merge_projections=False, rowwise_fusion=False,
+                             fuse_act_quant=False)
+    opt = kopt.optimize(model, (x,), config=passes)
+    gm = opt.graph_module
+    target = QUANT if layout == "rowwise" else torch.ops.kopt.quant_fp8_group.default
+    gemm = aten._scaled_mm.default if layout == "rowwise" else \
+        torch.ops.kopt.fp8_blockwise_mm.default
+    assert opt.report.result("fp8").matched == 4 and _count(gm, gemm) == 4
+    assert _count(gm, target) == 2  # q/k/v's input, the out projection's
+    assert opt.report.verified
+    with torch.no_grad():
+        assert torch.equal(opt(x), opt(x))
+
+
 def test_near_misses_say_why() -> None:
     x = torch.randn(3, 64)
     _, result = _fp8(QKV(64).eval(), x, FP8Config())  # default threshold: 1024 features

@@ -21,15 +21,18 @@ from kopt.codegen import FP64_REFERENCES
 from kopt.codegen.rowwise import RowwiseSpec, rowwise_triton
 from kopt.graph import copy_graph_module
 from kopt.models import build
+from kopt.passes import build_passes
 from kopt.passes.base import PassResult, RewritePass
 from kopt.patterns.core import exact
 from kopt.patterns.rowwise_fusion import (
     NORM_MODULATION,
     NORM_QUANT,
     NUMERICS,
+    NUMERICS_FP32,
     RESIDUAL_NORM,
     RESIDUAL_NORM_QUANT,
     ROWWISE_FUSIONS,
+    rowwise_fusions,
 )
 from kopt.verify import VerifyOptions, compare, random_inputs, relative_error, run_fp64
 
@@ -192,6 +195,39 @@ def test_the_triton_kernels_of_the_sites_verify_in_the_interpreter(
     verdict = compare(gm, after, list(inputs), NUMERICS, VerifyOptions(seeds=(2,)))
     assert verdict.passed, verdict
     assert len(specs) >= result.matched and set(specs) == set(_specs(after))
+
+
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny"])
+def test_fp32_intermediates_fuse_the_same_sites_closer_to_fp64(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FP8Config(intermediates="fp32")``: the same sites, every spec in fp32 order, verified
+    at its tier with the Triton kernels (interpreter) in place of the references -- and the
+    graph's output moves (a rewrite that rounded as before would leave it bitwise)."""
+    gm, inputs = _optimized(name, "fp8")
+    eager, _ = _fuse(gm)
+    fp32, result = _fuse(gm, rowwise_fusions("fp32"))
+    assert _fired(fp32) == _fired(eager) and result.matched == len(_specs(eager))
+    assert all(s.intermediates == "fp32" and s.tier == "tolerance" for s in _specs(fp32))
+    fresh = random_inputs(list(inputs), 3)
+    assert not all(torch.equal(a, b) for a, b in zip(eager(*fresh), fp32(*fresh), strict=True))
+    monkeypatch.setattr(rowwise_module, "rowwise_reference",
+                        lambda spec, tensors: rowwise_triton(spec, tensors))
+    verdict = compare(gm, fp32, list(inputs), NUMERICS_FP32, VerifyOptions(seeds=(4,)))
+    assert verdict.passed and verdict.tier == "tolerance", verdict
+
+
+def test_fp32_intermediates_is_part_of_the_fp8_config() -> None:
+    with pytest.raises(ValueError, match="intermediates 'bf16'"):
+        kopt.FP8Config(intermediates="bf16")
+    passes = {}
+    for order in ("eager", "fp32"):
+        config = kopt.PassConfig(fp8=kopt.FP8Config(intermediates=order))
+        passes[order] = next(p for p in build_passes(config) if p.name == "rowwise_fusion")
+    assert passes["eager"].numerics == NUMERICS and passes["fp32"].numerics == NUMERICS_FP32
+    # compile caches and the knowledge base key on the pass's uuid
+    assert passes["eager"].uuid() != passes["fp32"].uuid()
+    with pytest.raises(ValueError, match="intermediates 'x'"):
+        rowwise_fusions("x")
 
 
 # -- small modules: variants and near misses ---------------------------------------------------

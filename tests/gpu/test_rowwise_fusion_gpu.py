@@ -15,7 +15,7 @@ from kopt.capture import flatten_inputs
 from kopt.graph import copy_graph_module
 from kopt.models import build
 from kopt.passes.base import RewritePass
-from kopt.patterns.rowwise_fusion import NUMERICS, ROWWISE_FUSIONS
+from kopt.patterns.rowwise_fusion import NUMERICS, NUMERICS_FP32, rowwise_fusions
 from kopt.verify import VerifyOptions, compare, random_inputs, run_flat
 from tests.cpu.test_rowwise_fusion import (
     CONFIGS,
@@ -30,9 +30,10 @@ from tests.cpu.test_rowwise_fusion import (
 pytestmark = pytest.mark.gpu
 
 
-def _fuse(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, object]:
+def _fuse(gm: torch.fx.GraphModule, intermediates: str = "eager") -> tuple[
+        torch.fx.GraphModule, object]:
     after = copy_graph_module(gm)
-    return after, RewritePass("rowwise_fusion", list(ROWWISE_FUSIONS)).run(after)
+    return after, RewritePass("rowwise_fusion", list(rowwise_fusions(intermediates))).run(after)
 
 
 # the pipeline runs the rewrites before hoisting: adaLN is then the template's modulation step
@@ -50,6 +51,21 @@ def test_fusions_verify_on_cuda(name: str, config: str) -> None:
     verdict = compare(gm, after, inputs, NUMERICS, VerifyOptions())
     assert verdict.passed, verdict
     print(f"{name} {config}: {result.matched} sites, {verdict}")
+
+
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny", "llm-tiny"])
+def test_fp32_intermediates_verify_on_cuda(name: str) -> None:
+    """``FP8Config(intermediates="fp32")``'s rewrites: the same sites, verified at their tier
+    with the Triton kernels against fp64."""
+    w = build(name, device="cuda", dtype=torch.bfloat16)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, CONFIGS["fp8"],
+                        verify=VerifyOptions(enabled=False))
+    gm, inputs = opt.graph_module, list(flatten_inputs(w.args, w.kwargs)[0])
+    after, result = _fuse(gm, "fp32")
+    assert _fired(after) == EXPECTED[(name, "fp8")][0], result.details
+    verdict = compare(gm, after, inputs, NUMERICS_FP32, VerifyOptions())
+    assert verdict.passed, verdict
+    print(f"{name} fp32 intermediates: {result.matched} sites, {verdict}")
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"scale1": True}])
