@@ -14,6 +14,9 @@ Variants (all by default):
 * ``naive-inductor-eager:MODS``: Inductor, but the blocks' submodules ``MODS`` (comma-separated
   attribute names: ``attn``, ``img_mlp,txt_mlp``) run eagerly;
 * ``kopt-eager``, ``kopt-fp32``: kopt's FP8 with ``FP8Config(intermediates=...)``;
+* ``kopt-structural-inductor``: kopt's structural passes (merge, FP8, bias absorption, ...)
+  with its fusions off, compiled whole by Inductor (``torch.compile(backend="kopt")``): kopt's
+  graph with Inductor's fused kernels;
 * ``kopt-fp32+unrounded:OPS``: kopt-fp32 with the fused ops ``OPS`` (comma-separated:
   ``qk_norm_rope``, ``act_quant_fp8_rowwise``, ``cat_act_quant_fp8_rowwise``, ``rowwise``)
   computed with no rounding at all (their fp64 functions on upcast inputs, the outputs cast
@@ -111,6 +114,14 @@ def main() -> None:
                         outs = run(w.model)
             for m, f in saved:
                 m.forward = f
+        elif name == "kopt-structural-inductor":
+            fusions = ("rowwise_fusion", "fuse_qk_norm_rope", "fuse_act_quant", "fuse_act",
+                       "cat_rows", "hoist")
+            config = kopt.PassConfig(fp8=kopt.FP8Config()).replace(**dict.fromkeys(fusions,
+                                                                                   False))
+            compiled = torch.compile(w.model, backend="kopt", options={
+                "inner": "inductor", "config": config, "reports": []})
+            outs = run(compiled)
         else:
             order = "eager" if name == "kopt-eager" else "fp32"
             if name == "kopt-fp32+unrounded":
