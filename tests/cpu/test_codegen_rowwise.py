@@ -202,9 +202,14 @@ def test_intermediates_in_the_spec() -> None:
     ep = RowwiseSpec("bfloat16", epilogue=_epilogue())
     assert kernel_for(ep) is not kernel_for(RowwiseSpec("bfloat16", epilogue=_epilogue(),
                                                         intermediates="fp32"))
-    assert "pw_round" in kernel_source(_epilogue()) and "pw_round(" not in "".join(
-        line for line in kernel_source(_epilogue(), round_steps=False).splitlines()
-        if line.lstrip().startswith("e"))
+    # eager order: every op of the epilogue rounded; fp32 order: none (it has no cast)
+    names = {"x": "n", "up": "ev_up"}
+    rounded, _ = _epilogue().triton_source(names)
+    unrounded, _ = _epilogue().triton_source(names, round_steps=False)
+    assert len(rounded) == 2 and all("pw_round(" in line for line in rounded)
+    assert not any("pw_round(" in line for line in unrounded)
+    assert ("pw_round(" in kernel_source(_epilogue())) and (
+        kernel_source(_epilogue()) != kernel_source(_epilogue(), round_steps=False))
 
 
 # -- the kernel against the unfused ops ----------------------------------------------------------

@@ -198,7 +198,7 @@ def test_the_triton_kernels_of_the_sites_verify_in_the_interpreter(
 
 
 @pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny"])
-def test_fp32_intermediates_fuse_the_same_sites_closer_to_fp64(
+def test_fp32_intermediates_fuse_the_same_sites_and_verify(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``FP8Config(intermediates="fp32")``: the same sites, every spec in fp32 order, verified
     at its tier with the Triton kernels (interpreter) in place of the references -- and the
