@@ -68,7 +68,7 @@ from kopt.cost import H200, Calibration, CostModel, DeviceModel, known_device, m
 from kopt.kb.verdicts import inputs_device, workload_key
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
-from kopt.passes.config import LAYOUTS
+from kopt.passes.config import ACTIVATION_MATHS, LAYOUTS
 from kopt.verify import VerifyOptions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -206,6 +206,7 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="FP8 linears (rowwise unless --fp8-layout)")
     p.add_argument("--fp8-layout", choices=LAYOUTS, default="rowwise")
     p.add_argument("--fp8-intermediates", choices=INTERMEDIATES, default="fp32")
+    p.add_argument("--fp8-activation-math", choices=ACTIVATION_MATHS, default="fast")
     p.add_argument("--disable", action="append", default=[], metavar="PASS")
     p.add_argument("--enable", action="append", default=[], metavar="PASS",
                    help="turn on a pass that is off by default (e.g. cat_rows)")
@@ -248,7 +249,8 @@ def main() -> None:
                                   **{name: True for name in args.enable})
     if args.fp8:
         config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
-                                              intermediates=args.fp8_intermediates))
+                                              intermediates=args.fp8_intermediates,
+                                              activation_math=args.fp8_activation_math))
     t0 = time.perf_counter()
     w = build(args.model, device=args.device, dtype=DTYPES[args.dtype],
               **parse_shape(args.shape))

@@ -27,7 +27,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kopt.codegen.kernels.act_quant import act_quant_reference, act_quant_triton
+from kopt.codegen.kernels.act_quant import FAST, act_quant_reference, act_quant_triton
 from kopt.codegen.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
 
 
@@ -68,6 +68,12 @@ ACT_CASES = (
     ActCase("W2 FLUX.2 text FF, SwiGLU", 512, 18432, "silu_mul"),
     ActCase("W3 Qwen3-8B prefill MLP, SwiGLU", 2048, 12288, "silu_mul"),
     ActCase("GELU(erf) at the W1 image shape", 4096, 12288, "gelu_erf"),
+    # FP8Config(activation_math="fast"): approximate exp and division
+    ActCase("W1 image MLP, GELU(tanh) fast", 4096, 12288, "gelu_tanh:fast"),
+    ActCase("W1 text MLP, GELU(tanh) fast", 128, 12288, "gelu_tanh:fast"),
+    ActCase("W2 image FF, SwiGLU fast", 4096, 18432, "silu_mul:fast"),
+    ActCase("W2 text FF, SwiGLU fast", 512, 18432, "silu_mul:fast"),
+    ActCase("W3 Qwen3-8B prefill, SwiGLU fast", 2048, 12288, "silu_mul:fast"),
 )
 
 
@@ -115,10 +121,11 @@ def act_inputs(case: ActCase, device: str = "cuda", dtype: torch.dtype = torch.b
     """The activation's input as a GEMM leaves it, [1, rows, features] (SwiGLU: the two halves of
     [1, rows, 2 * features]); values over several orders of magnitude across rows."""
     g = torch.Generator(device=device).manual_seed(seed)
-    width = 2 * case.features if case.activation == "silu_mul" else case.features
+    swiglu = case.activation.startswith("silu_mul")
+    width = 2 * case.features if swiglu else case.features
     scale = torch.logspace(-1, 1, case.rows, device=device)[None, :, None]
     x = (torch.randn(1, case.rows, width, generator=g, device=device) * 2 * scale).to(dtype)
-    if case.activation != "silu_mul":
+    if not swiglu:
         return x, None
     return x[..., : case.features], x[..., case.features:]
 
@@ -208,10 +215,11 @@ def act_configs(n: int) -> list[dict[str, int]]:
 def bench_act(case: ActCase, sweep: bool = False) -> Row:
     x, up = act_inputs(case)
     nbytes = act_bytes(x, up)
-    inductor, note = _inductor_us(act_quant_reference, x, up, case.activation)
+    exact = case.activation.removesuffix(FAST)  # the unfused ops of a fast case: the exact ones
+    inductor, note = _inductor_us(act_quant_reference, x, up, exact)
     row = Row("act_quant_fp8", case.name, nbytes,
               fused_us=_us(lambda: act_quant_triton(x, up, case.activation)),
-              eager_us=_us(lambda: act_quant_reference(x, up, case.activation)),
+              eager_us=_us(lambda: act_quant_reference(x, up, exact)),
               inductor_us=inductor, copy_us=_copy_us(nbytes), inductor_note=note)
     if sweep:
         row.configs_us = {
@@ -227,14 +235,15 @@ def main() -> None:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--only", choices=["qk", "act"], help="one kernel family")
     p.add_argument("--sweep", action="store_true", help="also time every act+quant config")
+    p.add_argument("--cases", default="", help="substring filter on case names")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     rows: list[Row] = []
     if args.only in (None, "qk"):
-        rows += [bench_qk(c) for c in QK_CASES]
+        rows += [bench_qk(c) for c in QK_CASES if args.cases in c.name]
     if args.only in (None, "act"):
-        rows += [bench_act(c, args.sweep) for c in ACT_CASES]
+        rows += [bench_act(c, args.sweep) for c in ACT_CASES if args.cases in c.name]
     print(f"{'kernel':<14} {'case':<38} {'MB':>7} {'fused us':>9} {'eager us':>9} "
           f"{'inductor':>9} {'GB/s':>6} {'copy GB/s':>9} {'% copy':>6} {'x eager':>7} "
           f"{'x ind.':>6}")

@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     from kopt.codegen.rowwise import INTERMEDIATES
     from kopt.models import MODEL_NAMES
     from kopt.passes import PassConfig
-    from kopt.passes.config import LAYOUTS
+    from kopt.passes.config import ACTIVATION_MATHS, LAYOUTS
 
     p = argparse.ArgumentParser(prog="kopt", description="Graph-rewriting optimizer for "
                                 "PyTorch inference.")
@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fused norm kernels' order with --fp8: fp32 rounds each output "
                         "once (Inductor's order; lower FP8 error), eager rounds every step "
                         "like the unfused ops (default: fp32)")
+    o.add_argument("--fp8-activation-math", choices=ACTIVATION_MATHS, default="fast",
+                   help="the fused activation + quantizer's SiLU/GELU(tanh) with --fp8: exact "
+                        "as torch computes them, or fast (the GPU's approximate exp and "
+                        "division, a few fp32 ulp off; default: fast)")
     o.add_argument("--no-verify", action="store_true", help="skip verification (not advised)")
     o.add_argument("--seeds", type=int, default=3, help="verification seeds (default: 3)")
     o.add_argument("--explain", metavar="NODE", action="append", default=[],
@@ -185,7 +189,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202
     if args.fp8:
         config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
                                               min_features=args.fp8_min_features,
-                                              intermediates=args.fp8_intermediates))
+                                              intermediates=args.fp8_intermediates,
+                                              activation_math=args.fp8_activation_math))
     return config
 
 

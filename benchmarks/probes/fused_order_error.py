@@ -2,10 +2,13 @@
 rounding order of the fused kernels, on a Qwen-Image-shaped model small enough for the CPU.
 
     python benchmarks/probes/fused_order_error.py [--layers 30] [--inputs 6] [VARIANT ...]
+    python benchmarks/probes/fused_order_error.py --model qwen-image --device cuda --inputs 3 ...
 
-The model: Qwen-Image's structure at hidden 1024 (8 heads x 128), 256x256 px (256 image + 32
-text tokens), random weights, BF16. Every variant's relative error against the eager BF16
-output is printed per input (the workload's and ``--inputs - 1`` drawn again) and as a mean.
+The model (CPU default): Qwen-Image's structure at hidden 1024 (8 heads x 128), 256x256 px
+(256 image + 32 text tokens), random weights, BF16; ``--model`` builds a workload at its full
+size instead (W1: ``qwen-image`` on ``--device cuda``). Every variant's relative error against
+the eager BF16 output is printed per input (the workload's and ``--inputs - 1`` drawn again)
+and as a mean.
 Variants (all by default):
 
 * ``naive-eager``, ``naive-inductor``, ``naive-inductor-emulate``: e2e.py's naive FP8 recipe,
@@ -14,14 +17,22 @@ Variants (all by default):
 * ``naive-inductor-eager:MODS``: Inductor, but the blocks' submodules ``MODS`` (comma-separated
   attribute names: ``attn``, ``img_mlp,txt_mlp``) run eagerly;
 * ``kopt-eager``, ``kopt-fp32``: kopt's FP8 with ``FP8Config(intermediates=...)``;
-* ``kopt-structural-inductor``: kopt's structural passes (merge, FP8, bias absorption, ...)
-  with its fusions off, compiled whole by Inductor (``torch.compile(backend="kopt")``): kopt's
-  graph with Inductor's fused kernels;
+* ``kopt-structural-inductor[:FUSIONS]``: kopt's structural passes (merge, FP8, bias
+  absorption, ...) with its fusions off but ``FUSIONS`` (comma-separated pass names), compiled
+  whole by Inductor (``torch.compile(backend="kopt")``): kopt's graph with Inductor's fused
+  kernels, or with some of kopt's own;
+* ``kopt-fp32-without:PASSES``: kopt-fp32 with the passes ``PASSES`` (comma-separated) off:
+  which of kopt's rewrites moves the error;
 * ``kopt-fp32+unrounded:OPS``: kopt-fp32 with the fused ops ``OPS`` (comma-separated:
   ``qk_norm_rope``, ``act_quant_fp8_rowwise``, ``cat_act_quant_fp8_rowwise``, ``rowwise``)
   computed with no rounding at all (their fp64 functions on upcast inputs, the outputs cast
-  back): what removing every rounding inside them would give (registered for the rest of the
-  run: list these last).
+  back): what removing every rounding inside them would give;
+* ``kopt-fp32+reference:OPS``: kopt-fp32 with the fused ops ``OPS`` run as their PyTorch
+  references (the CPU path) on the device: on a GPU, whether a Triton kernel's rounding differs
+  from its reference's where it matters.
+
+The ``+unrounded`` and ``+reference`` kernels stay registered for the rest of the run: list
+those variants last.
 """
 
 from __future__ import annotations
@@ -44,15 +55,36 @@ from kopt.verify import VerifyOptions, relative_error  # noqa: E402
 DEFAULT = ("naive-eager", "naive-inductor", "naive-inductor-emulate", "kopt-eager", "kopt-fp32")
 
 
-def _unrounded(ops: list[str]) -> None:
-    """Register, for each op, a CPU kernel that runs its fp64 function on upcast inputs."""
+def _override(name: str, fn: object, key: str) -> None:
+    """``fn`` as kopt::name's kernel for dispatch key ``key``, over the one registered."""
+    try:
+        _LIB.impl(name, fn, key, allow_override=True)
+    except TypeError:  # a torch without allow_override
+        torch.library._impls.discard(f"kopt/{name}/{key}")
+        _LIB.impl(name, fn, key)
+
+
+def _reference(ops: list[str], key: str) -> None:
+    """Register, for each op, its PyTorch reference as the kernel for dispatch key ``key``."""
+    for name, orig in _references().items():
+        if name in ops:
+            _override(name, orig, key)
+
+
+def _references() -> dict:
     import kopt.codegen.kernels.act_quant as aq
     import kopt.codegen.kernels.qk_norm_rope as qk
     import kopt.codegen.rowwise as rw
 
-    originals = {"rowwise": rw._rowwise_reference_op, "qk_norm_rope": qk._qk_norm_rope_reference,
-                 "act_quant_fp8_rowwise": aq._act_quant_fp8_rowwise_reference,
-                 "cat_act_quant_fp8_rowwise": aq._cat_act_quant_fp8_rowwise_reference}
+    return {"rowwise": rw._rowwise_reference_op, "qk_norm_rope": qk._qk_norm_rope_reference,
+            "act_quant_fp8_rowwise": aq._act_quant_fp8_rowwise_reference,
+            "cat_act_quant_fp8_rowwise": aq._cat_act_quant_fp8_rowwise_reference}
+
+
+def _unrounded(ops: list[str], key: str) -> None:
+    """Register, for each op, a kernel (dispatch key ``key``) that runs its fp64 function on
+    upcast inputs."""
+    originals = _references()
 
     def up(a: object) -> object:
         if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype.itemsize >= 2:
@@ -72,19 +104,26 @@ def _unrounded(ops: list[str]) -> None:
         return impl
 
     for name in ops:
-        _LIB.impl(name, make(name), "CPU")
+        _override(name, make(name), key)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--inputs", type=int, default=6)
+    p.add_argument("--model", default="qwen-image-tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="the weights' (and inputs') seed")
     p.add_argument("variants", nargs="*", default=list(DEFAULT))
     args = p.parse_args()
-    qwen_image.TINY_CONFIG = dict(num_layers=args.layers, attention_head_dim=128,
-                                  num_attention_heads=8, joint_attention_dim=1024)
-    w = build("qwen-image-tiny", device="cpu", dtype=torch.bfloat16, height=256, width=256,
-              text_tokens=32)
+    if args.model == "qwen-image-tiny":
+        qwen_image.TINY_CONFIG = dict(num_layers=args.layers, attention_head_dim=128,
+                                      num_attention_heads=8, joint_attention_dim=1024)
+        w = build(args.model, device=args.device, dtype=torch.bfloat16, height=256, width=256,
+                  text_tokens=32, seed=args.seed)
+    else:
+        w = build(args.model, device=args.device, dtype=torch.bfloat16, seed=args.seed)
+    key = "CUDA" if torch.device(args.device).type == "cuda" else "CPU"
     print(w.description, flush=True)
     inputs = [w.kwargs] + [e2e.redrawn_inputs(w, seed=i) for i in range(1, args.inputs)]
 
@@ -117,19 +156,28 @@ def main() -> None:
         elif name == "kopt-structural-inductor":
             fusions = ("rowwise_fusion", "fuse_qk_norm_rope", "fuse_act_quant", "fuse_act",
                        "cat_rows", "hoist")
-            config = kopt.PassConfig(fp8=kopt.FP8Config()).replace(**dict.fromkeys(fusions,
-                                                                                   False))
+            config = kopt.PassConfig(fp8=kopt.FP8Config()).replace(
+                **{f: f in arg.split(",") for f in fusions})
+            if "kopt" not in torch._dynamo.list_backends():  # no entry points (not installed)
+                from kopt.backend import kopt_backend
+
+                torch._dynamo.register_backend(kopt_backend, "kopt")
             compiled = torch.compile(w.model, backend="kopt", options={
                 "inner": "inductor", "config": config, "reports": []})
             outs = run(compiled)
         else:
             order = "eager" if name == "kopt-eager" else "fp32"
             if name == "kopt-fp32+unrounded":
-                _unrounded(arg.split(","))
+                _unrounded(arg.split(","), key)
+            elif name == "kopt-fp32+reference":
+                _reference(arg.split(","), key)
             config = kopt.PassConfig(fp8=kopt.FP8Config(intermediates=order))
+            if name == "kopt-fp32-without":
+                config = config.replace(**dict.fromkeys(arg.split(","), False))
             opt = kopt.optimize(w.model, w.args, w.kwargs, config,
                                 verify=VerifyOptions(enabled=False))
             outs = run(lambda *a, **k: opt(*a, **k))  # noqa: B023
+            del opt  # its packed FP8 weights
         errs = [relative_error(o, r) for o, r in zip(outs, ref, strict=True)]
         print(f"{v:44s} " + " ".join(f"{e:.4e}" for e in errs)
               + f"  mean {sum(errs) / len(errs):.4e}", flush=True)

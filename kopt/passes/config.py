@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 LAYOUTS = ("rowwise", "blockwise")
+ACTIVATION_MATHS = ("exact", "fast")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,18 @@ class FP8Config:
     step rounded to the model's dtype as the unfused ops do (the FP8 values bitwise those of
     the unfused graph, given the norm). See :mod:`kopt.codegen.rowwise`."""
 
+    activation_math: str = "fast"
+    """How the fused activation + quantizer (``fuse_act_quant``) computes SiLU and GELU(tanh):
+    ``fast``: ``x * sigmoid(v)`` with the GPU's approximate exp and division, a few fp32 ulp
+    from exact (tolerance tier; the kernel 1.2-1.7x faster at the W1/W2/W3 image-token shapes,
+    the same output error on W1 and W2: benchmarks/RESULTS.md session 11); ``exact``: as
+    torch's CUDA kernels do (libdevice expf/tanhf, IEEE division; the FP8 values bitwise those
+    of the unfused graph). See :mod:`kopt.codegen.kernels.act_quant`."""
+
     def __post_init__(self) -> None:
+        if self.activation_math not in ACTIVATION_MATHS:
+            raise ValueError(f"unknown fp8 activation_math {self.activation_math!r}; valid: "
+                             f"{', '.join(ACTIVATION_MATHS)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown fp8 layout {self.layout!r}; layouts: {', '.join(LAYOUTS)}")
         from kopt.codegen.rowwise import INTERMEDIATES  # noqa: PLC0415 -- config stays light

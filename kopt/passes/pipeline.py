@@ -28,7 +28,7 @@ from kopt.passes.fold import FoldConstants
 from kopt.passes.gqa import FoldGroupedQueryHeads
 from kopt.passes.hoist import HoistInvariants, cached_regions
 from kopt.passes.noop import ReinplaceCacheUpdates, RemoveNoOps
-from kopt.patterns.act_quant import ACT, ACT_QUANT
+from kopt.patterns.act_quant import ACT, act_quant_rewrite
 from kopt.patterns.bias import ABSORB_BIAS
 from kopt.patterns.collectives import ALLREDUCE_NORM_FUSIONS
 from kopt.patterns.fp8 import fp8_linear
@@ -55,7 +55,8 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     # q/k are views of the merged QKV output here; the quantizers are the fp8 pass's
     ("fuse_qk_norm_rope", lambda c: RewritePass("fuse_qk_norm_rope", [QK_NORM_ROPE])),
     ("fold_gqa", lambda c: FoldGroupedQueryHeads()),  # after the QK fusion found its SDPA
-    ("fuse_act_quant", lambda c: RewritePass("fuse_act_quant", [ACT_QUANT])),
+    ("fuse_act_quant", lambda c: RewritePass("fuse_act_quant", [act_quant_rewrite(
+        getattr(c.fp8, "activation_math", "exact"))])),
     ("fuse_act", lambda c: RewritePass("fuse_act", [ACT])),  # what fuse_act_quant left
     # before rowwise_fusion: it would take the same norms without the all-reduce
     ("fuse_allreduce_norm",

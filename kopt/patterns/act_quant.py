@@ -9,8 +9,10 @@ Found by structure alone: a ``kopt::quant_fp8_rowwise`` of a per-call value whos
 through at most one reshape to [rows, features], is ``silu(g) * u`` (either operand order) or
 ``gelu``, or a last-dimension concatenation of such an activation with one other tensor of its
 rows and dtype (FLUX.2's single-stream blocks quantize ``cat([attention, swiglu])`` for their
-output projection). The fused op keeps the unfused op order and roundings (see
-:mod:`kopt.codegen.kernels.act_quant`), hence the exact tier.
+output projection). With ``FP8Config(activation_math="exact")`` the fused op keeps the
+unfused op order and roundings (see :mod:`kopt.codegen.kernels.act_quant`), hence the exact
+tier; with the default ``"fast"`` (:func:`act_quant_rewrite`) SiLU and GELU(tanh) take the
+kernel's approximate-math form instead, tolerance tier.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from torch import fx
 
 import kopt.codegen.kernels.act_quant  # noqa: F401 -- registers kopt::act_quant_fp8_rowwise
 import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers kopt::quant_fp8_rowwise
-from kopt.codegen.kernels.act_quant import KERNEL_DTYPES
+from kopt.codegen.kernels.act_quant import FAST, FAST_ACTIVATIONS, KERNEL_DTYPES
 from kopt.graph import constant_nodes, describe_node, infer_meta, op_name, tensor_meta
-from kopt.patterns.core import Match, Rejection, StructuralRewrite, exact
+from kopt.passes.config import ACTIVATION_MATHS
+from kopt.patterns.core import Match, Rejection, StructuralRewrite, exact, tolerance
 
 aten = torch.ops.aten
 QUANT = torch.ops.kopt.quant_fp8_rowwise.default
@@ -136,22 +139,28 @@ def why_not(gm: fx.GraphModule, match: Match) -> str | None:
     return None
 
 
-def fuse(gm: fx.GraphModule, match: Match) -> None:
+def fuse(gm: fx.GraphModule, match: Match, fast: bool = False) -> None:
     b = match.bindings
     quant = b["quant"]
     g = gm.graph
+    kind = b["kind"] + FAST if fast and b["kind"] in FAST_ACTIVATIONS else b["kind"]
     with g.inserting_before(quant):
         if b["cat"] is None:
-            fused = g.call_function(FUSED, (b["gate"], b["up"], b["kind"]))
+            fused = g.call_function(FUSED, (b["gate"], b["up"], kind))
         else:
-            fused = g.call_function(FUSED_CAT, (b["other"], b["gate"], b["up"], b["kind"],
+            fused = g.call_function(FUSED_CAT, (b["other"], b["gate"], b["up"], kind,
                                                 b["other_first"]))
         infer_meta(gm, fused)
-    fused.meta["kopt_from"] = f"{b['kind']}+quant({describe_node(b['act'])})"
+    fused.meta["kopt_from"] = f"{kind}+quant({describe_node(b['act'])})"
     quant.replace_all_uses_with(fused)  # same outputs: (e4m3 values, fp32 scales)
     for node in (quant, b["reshape"], b["cat"], b["act"], b["silu"]):
         if node is not None and not node.users:
             g.erase_node(node)
+
+
+def fuse_fast(gm: fx.GraphModule, match: Match) -> None:
+    """:func:`fuse` with the fast activations (``FP8Config(activation_math="fast")``)."""
+    fuse(gm, match, fast=True)
 
 
 def describe(match: Match) -> str:
@@ -162,17 +171,32 @@ def describe(match: Match) -> str:
     return f"{describe_node(b['act'])}: {b['kind']}{cat} + quant, {rows} x {features}"
 
 
-ACT_QUANT = StructuralRewrite(
-    name=NAME,
-    matcher=find_act_quant,
-    applier=fuse,
-    guard_fn=why_not,
-    describer=describe,
-    numerics=exact("the fused kernel repeats the unfused ops' order and roundings (activation "
-                   "rounded to its dtype, amax * fp32(1/448), a true division, e4m3 RNE)"),
-    benefit=5,
-    description="quant([cat(o,)] silu(g) * u | gelu(x)) -> act_quant(g, u | x [, o])",
-)
+NUMERICS = exact("the fused kernel repeats the unfused ops' order and roundings (activation "
+                 "rounded to its dtype, amax * fp32(1/448), a true division, e4m3 RNE)")
+NUMERICS_FAST = tolerance("the activation as x * sigmoid(v) with the GPU's approximate exp and "
+                          "division (a few fp32 ulp from exact), then rounded to its dtype and "
+                          "quantized exactly")
+
+
+def act_quant_rewrite(math: str = "exact") -> StructuralRewrite:
+    """``fuse_act_quant`` computing the activation ``math`` (:data:`ACTIVATION_MATHS`):
+    ``exact`` bitwise the unfused ops, ``fast`` the ``:fast`` activations
+    (:mod:`kopt.codegen.kernels.act_quant`)."""
+    if math not in ACTIVATION_MATHS:
+        raise ValueError(f"activation math {math!r} is not one of {ACTIVATION_MATHS}")
+    return StructuralRewrite(
+        name=NAME,
+        matcher=find_act_quant,
+        applier=fuse_fast if math == "fast" else fuse,
+        guard_fn=why_not,
+        describer=describe,
+        numerics=NUMERICS if math == "exact" else NUMERICS_FAST,
+        benefit=5,
+        description="quant([cat(o,)] silu(g) * u | gelu(x)) -> act_quant(g, u | x [, o])",
+    )
+
+
+ACT_QUANT = act_quant_rewrite()
 
 
 # -- the activation without quantization (BF16 models) ---------------------------------------

@@ -17,7 +17,7 @@ from kopt.graph import copy_graph_module
 from kopt.models import build
 from kopt.passes.base import PassResult, RewritePass
 from kopt.patterns.act_quant import ACT as FUSE_ACT
-from kopt.patterns.act_quant import ACT_QUANT
+from kopt.patterns.act_quant import ACT_QUANT, act_quant_rewrite
 from kopt.patterns.core import Rewrite, exact
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.verify import VerifyOptions, compare
@@ -266,6 +266,35 @@ def test_act_quant_fires_on_an_mlp(act: str) -> None:
     assert result.matched == 1 and _count(after, ACT) == 1
     assert _count(after, aten.silu.default, aten.gelu.default) == 0
     _verifies(gm, after, inputs, ACT_QUANT)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_act_quant_fast_math_takes_the_same_sites_at_the_tolerance_tier(name: str) -> None:
+    """FP8Config(activation_math="fast"): the same sites, the ``:fast`` activations, declared
+    tolerance (not exact), verified at that tier; the exact rewrite stays exact."""
+    fast = act_quant_rewrite("fast")
+    assert fast.numerics.tier == "tolerance" and ACT_QUANT.numerics.tier == "exact"
+    gm, inputs = _optimized(name, torch.bfloat16)
+    after, result = _rewrite(gm, fast)
+    assert result.matched == ACT_SITES[name] and result.rejected == {}
+    kinds = {n.args[2] for n in after.graph.nodes if n.target is ACT} | {
+        n.args[3] for n in after.graph.nodes if n.target is CAT_ACT}
+    assert kinds == ({"gelu_tanh:fast"} if name == "qwen-image-tiny" else {"silu_mul:fast"})
+    _verifies(gm, after, inputs, fast)
+    with pytest.raises(ValueError, match="activation math 'approx'"):
+        act_quant_rewrite("approx")
+
+
+def test_fp8_config_activation_math_reaches_the_pass() -> None:
+    import kopt
+    from kopt.passes.pipeline import build_passes
+
+    with pytest.raises(ValueError, match="unknown fp8 activation_math 'approx'"):
+        kopt.FP8Config(activation_math="approx")
+    for math, tier in (("exact", "exact"), ("fast", "tolerance")):
+        config = kopt.PassConfig(fp8=kopt.FP8Config(activation_math=math))
+        [p] = [p for p in build_passes(config) if p.name == "fuse_act_quant"]
+        assert [r.numerics.tier for r in p.rewrites] == [tier]
 
 
 @pytest.mark.parametrize(("flags", "reason"), [

@@ -38,7 +38,7 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, activation: str,
     merged = torch.randn(*lead, 2 * n, generator=g) * rows.reshape(*lead, 1)
     merged = merged.to(dtype)
     gate, up = merged[..., :n], merged[..., n:]
-    return gate, up if activation == "silu_mul" else None
+    return gate, up if activation.startswith("silu_mul") else None
 
 
 def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
@@ -62,7 +62,8 @@ def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf", "silu_mul:fast",
+                                        "gelu_tanh:fast"])
 @pytest.mark.parametrize("shape", [(1, 16), (7, 40), (3, 5, 129), (2, 9000)],
                          ids=["one-row", "odd-rows", "3d-odd-features", "two-pass"])
 def test_triton_matches_the_reference(shape: tuple[int, ...], activation: str,
@@ -72,13 +73,15 @@ def test_triton_matches_the_reference(shape: tuple[int, ...], activation: str,
            dtype)
 
 
-@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf", "silu_mul:fast",
+                                        "gelu_tanh:fast"])
 def test_activation_in_the_kernel_is_the_activation(activation: str) -> None:
     """Dequantized kernel output vs the fp64 activation: within fp8's 2^-4 rounding (e4m3 keeps
-    3 mantissa bits), including the tanh the interpreter computes from exp, for large |x|."""
+    3 mantissa bits), including the tanh the interpreter computes from exp, for large |x|, and
+    the fast forms' sigmoid where GELU's tail is small (no cancellation)."""
     x = torch.linspace(-12, 12, 997, dtype=torch.float64).reshape(1, -1)
     up = torch.linspace(2, -1, 997, dtype=torch.float64).reshape(1, -1)
-    up = up if activation == "silu_mul" else None
+    up = up if activation.startswith("silu_mul") else None
     q, s = act_quant_triton(x.float(), None if up is None else up.float(), activation)
     want = activation_reference(x, up, activation)
     err = (q.double() * s.double() - want).abs()
@@ -109,6 +112,10 @@ def test_rejects_what_it_cannot_compute() -> None:
     gate, up = _inputs((4, 32), torch.float32, "silu_mul")
     with pytest.raises(ValueError, match="activation must be one of"):
         act_quant_triton(gate, up, "relu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        act_quant_triton(gate, None, "gelu_erf:fast")  # no fast GELU(erf)
+    with pytest.raises(ValueError, match="takes gate and up"):
+        act_quant_triton(gate, None, "silu_mul:fast")
     with pytest.raises(ValueError, match="takes gate and up"):
         act_quant_triton(gate, None, "silu_mul")
     with pytest.raises(ValueError, match="no broadcasting"):

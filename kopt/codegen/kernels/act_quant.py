@@ -32,6 +32,16 @@ reciprocal), the quotient rounded as a true division (on the GPU through the sca
 and two fma corrections, :func:`kopt.codegen.pointwise.pw_div_by`), and the e4m3 cast rounding
 to nearest even.
 
+``"silu_mul:fast"`` and ``"gelu_tanh:fast"`` (``FP8Config(activation_math="fast")``) compute
+the activation as ``x * sigmoid(v)`` (v = x for SiLU, v = 2 sqrt(2/pi) (x + 0.044715 x^3) for
+GELU: ``0.5 (1 + tanh(u)) = sigmoid(2u)``) with the GPU's approximate exp (``ex2.approx``) and
+division (``div.full``) instead of libdevice's expf/tanhf and an IEEE division: a few fp32 ulp
+from the exact value and no cancellation (``1 + tanh(u)`` for negative u would lose it), so the
+activation rounded to bf16 differs from torch's only where the exact value lies within those
+ulp of a rounding boundary. Numerics tier: tolerance (tested against the exact reference and
+fp64); the quantization after it stays exact. The exact kernel is instruction-bound on its
+libdevice math; the fast one does a handful of instructions per value.
+
 ``NATIVE`` (the kernel compiled for the GPU) is False under ``TRITON_INTERPRET=1``: there is no
 libdevice there (numpy's exp/erf instead; tanh from exp, see :func:`_tanh`), and its casts
 truncate, so the e4m3 cast is emulated on the grid (see :func:`_to_e4m3`) and bf16 rounding on
@@ -58,6 +68,10 @@ from kopt.codegen.ops import define
 from kopt.codegen.pointwise import fp32, pw_div_by, pw_recip
 
 ACTIVATIONS = ("silu_mul", "gelu_tanh", "gelu_erf")
+FAST = ":fast"  # suffix of an activation computed with the GPU's approximate exp and division
+FAST_ACTIVATIONS = ("silu_mul", "gelu_tanh")
+# The kernels' ACT constexpr: the exact activations, then the fast ones.
+ACT_CODES = {a: i for i, a in enumerate(ACTIVATIONS + tuple(a + FAST for a in FAST_ACTIVATIONS))}
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # torch's GELU constants, built like ATen's ``constexpr opmath_t``: double arithmetic, then fp32.
@@ -90,6 +104,8 @@ _INTERPRETER_PROGRAMS = 3
 # PyTorch reference: the unfused graph's ops
 # --------------------------------------------------------------------------------------------
 def activation_reference(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """The unfused ops; a ``:fast`` activation's reference is the exact one."""
+    activation = activation.removesuffix(FAST)
     if activation == "silu_mul":
         return F.silu(x) * up
     if activation == "gelu_tanh":
@@ -157,14 +173,20 @@ def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.co
                 NATIVE: tl.constexpr):
     """The activation of one chunk of a row, in fp32, rounded to ``dt`` as torch stores it."""
     x = tl.load(x_row + cols * sxn, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        silu = round_to(tl.math.div_rn(x, 1.0 + _exp(-x, NATIVE)), dt, NATIVE)
+    if ACT == 0 or ACT == 3:
+        if ACT == 0:
+            silu = round_to(tl.math.div_rn(x, 1.0 + _exp(-x, NATIVE)), dt, NATIVE)
+        else:  # fast: tl.exp is ex2.approx, ``/`` div.full on the GPU
+            silu = round_to(x / (1.0 + tl.exp(-x)), dt, NATIVE)
         up = tl.load(u_row + cols * sun, mask=mask, other=0.0).to(tl.float32)
         a = silu * up
     elif ACT == 1:
         # nvcc contracts torch's ``x + kKappa * x_cube`` into one fma, and nothing else.
         inner = _K_BETA * tl.fma(x * x * x, _K_KAPPA, x)
         a = 0.5 * x * (1.0 + _tanh(inner, NATIVE))
+    elif ACT == 4:  # fast: 0.5 x (1 + tanh(u)) = x sigmoid(2u)
+        inner = _K_BETA * tl.fma(x * x * x, _K_KAPPA, x)
+        a = x / (1.0 + tl.exp(-2.0 * inner))
     else:
         a = x * 0.5 * (1.0 + _erf(x * _K_ALPHA, NATIVE))
     return round_to(a, dt, NATIVE)
@@ -334,7 +356,7 @@ def act_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     with on_device(x):
         _act_kernel[(rows,)](
             x3, u3, o3, y, x3.shape[1], n, p, *x3.stride(), *u3.stride(), *o3.stride(),
-            ACT=ACTIVATIONS.index(activation), BLOCK=block, HAS_OTHER=other is not None,
+            ACT=ACT_CODES[activation], BLOCK=block, HAS_OTHER=other is not None,
             OTHER_FIRST=other_first, NATIVE=native(_act_kernel, x),
             num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False,
         )
@@ -375,9 +397,9 @@ def _stash_programs(rows: int, cfg: dict[str, int], x: torch.Tensor) -> int:
 
 
 def check_args(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if (activation == "silu_mul") != (up is not None):
+    if activation not in ACT_CODES:
+        raise ValueError(f"activation must be one of {tuple(ACT_CODES)}, got {activation!r}")
+    if (activation.removesuffix(FAST) == "silu_mul") != (up is not None):
         raise ValueError("'silu_mul' takes gate and up; the GELUs take one input")
     if x.dim() < 1:
         raise ValueError("the activation needs a feature dimension")
@@ -421,7 +443,7 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     with on_device(x):
         _act_quant_kernel[(programs,)](
             x3, u3, o3, q, scale, buf, rows, x3.shape[1], n, p, *x3.stride(), *u3.stride(),
-            *o3.stride(), _INV_E4M3_MAX, ACT=ACTIVATIONS.index(activation), BLOCK=cfg["BLOCK"],
+            *o3.stride(), _INV_E4M3_MAX, ACT=ACT_CODES[activation], BLOCK=cfg["BLOCK"],
             ONE_PASS=cfg["ONE_PASS"], STASH=stash, HAS_OTHER=other is not None,
             OTHER_FIRST=other_first, NATIVE=native(_act_quant_kernel, x),
             num_warps=cfg["num_warps"],
