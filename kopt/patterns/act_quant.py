@@ -163,6 +163,10 @@ def fuse_fast(gm: fx.GraphModule, match: Match) -> None:
     fuse(gm, match, fast=True)
 
 
+def describe_fast(match: Match) -> str:
+    return describe(match) + " (fast math)"
+
+
 def describe(match: Match) -> str:
     b = match.bindings
     rows, features = tensor_meta(b["quant"].args[0]).shape
@@ -189,7 +193,7 @@ def act_quant_rewrite(math: str = "exact") -> StructuralRewrite:
         matcher=find_act_quant,
         applier=fuse_fast if math == "fast" else fuse,
         guard_fn=why_not,
-        describer=describe,
+        describer=describe_fast if math == "fast" else describe,
         numerics=NUMERICS if math == "exact" else NUMERICS_FAST,
         benefit=5,
         description="quant([cat(o,)] silu(g) * u | gelu(x)) -> act_quant(g, u | x [, o])",

@@ -280,6 +280,7 @@ def test_act_quant_fast_math_takes_the_same_sites_at_the_tolerance_tier(name: st
     kinds = {n.args[2] for n in after.graph.nodes if n.target is ACT} | {
         n.args[3] for n in after.graph.nodes if n.target is CAT_ACT}
     assert kinds == ({"gelu_tanh:fast"} if name == "qwen-image-tiny" else {"silu_mul:fast"})
+    assert all(d.endswith("(fast math)") for d in result.details), result.details
     _verifies(gm, after, inputs, fast)
     with pytest.raises(ValueError, match="activation math 'approx'"):
         act_quant_rewrite("approx")
