@@ -163,16 +163,16 @@ def fuse_fast(gm: fx.GraphModule, match: Match) -> None:
     fuse(gm, match, fast=True)
 
 
-def describe_fast(match: Match) -> str:
-    return describe(match) + " (fast math)"
-
-
 def describe(match: Match) -> str:
     b = match.bindings
     rows, features = tensor_meta(b["quant"].args[0]).shape
     cat = "" if b["cat"] is None else (" (cat after another tensor)" if b["other_first"]
                                        else " (cat before another tensor)")
     return f"{describe_node(b['act'])}: {b['kind']}{cat} + quant, {rows} x {features}"
+
+
+def describe_fast(match: Match) -> str:
+    return describe(match) + " (fast math)"
 
 
 NUMERICS = exact("the fused kernel repeats the unfused ops' order and roundings (activation "

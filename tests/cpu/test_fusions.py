@@ -292,10 +292,14 @@ def test_fp8_config_activation_math_reaches_the_pass() -> None:
 
     with pytest.raises(ValueError, match="unknown fp8 activation_math 'approx'"):
         kopt.FP8Config(activation_math="approx")
+    uuids = {}
     for math, tier in (("exact", "exact"), ("fast", "tolerance")):
         config = kopt.PassConfig(fp8=kopt.FP8Config(activation_math=math))
         [p] = [p for p in build_passes(config) if p.name == "fuse_act_quant"]
         assert [r.numerics.tier for r in p.rewrites] == [tier]
+        uuids[math] = p.uuid()
+    # compile caches and the knowledge base key on the pass's uuid: stable, and per math
+    assert uuids["exact"] != uuids["fast"] and "0x" not in act_quant_rewrite("fast").source_key()
 
 
 @pytest.mark.parametrize(("flags", "reason"), [

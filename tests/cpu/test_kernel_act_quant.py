@@ -88,6 +88,24 @@ def test_activation_in_the_kernel_is_the_activation(activation: str) -> None:
     assert (err <= 2.0**-4 * want.abs() + s.double() * 2.0**-9).all()
 
 
+def test_the_fast_gelu_takes_its_own_formula_without_cancellation() -> None:
+    """In fp32 (no bf16 rounding to hide it), GELU(tanh):fast is x * sigmoid(2u): within 1e-5
+    of GELU computed stably in fp64 everywhere, the negative tail included, where the exact
+    form's ``1 + tanh(u)`` cancels (torch's own formula, even in fp64, gives 0 from x = -8 on)
+    -- so the two differ and the kernel takes the fast branch. (SiLU's two forms are the same
+    expression under the interpreter; the GPU tests and the benchmark tell them apart.)"""
+    gate, _ = _inputs((4, 512), torch.float32, "gelu_tanh", seed=2)
+    exact = act_triton(gate, None, "gelu_tanh")
+    fast = act_triton(gate, None, "gelu_tanh:fast")
+    x = gate.double()
+    u = (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)
+    want = x * torch.sigmoid(2 * u)
+    assert not torch.equal(fast, exact)
+    torch.testing.assert_close(fast.double(), want, rtol=1e-5, atol=1e-37)
+    with pytest.raises(AssertionError):  # the exact form loses the tail to cancellation
+        torch.testing.assert_close(exact.double(), want, rtol=1e-5, atol=1e-37)
+
+
 def test_zero_rows_stay_finite() -> None:
     x = torch.zeros(3, 64)
     x[1] = torch.randn(64)
