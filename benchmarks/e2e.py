@@ -47,7 +47,7 @@ import kopt
 from kopt.bench import median_ms
 from kopt.codegen.rowwise import INTERMEDIATES
 from kopt.models import Workload, build, main_output
-from kopt.passes.config import ACTIVATION_MATHS
+from kopt.passes.config import ACTIVATION_MATHS, LAYOUTS
 from kopt.verify import VerifyOptions, relative_error
 
 VARIANTS = ("eager-bf16", "inductor-bf16", "naive-fp8-inductor", "kopt-bf16", "kopt-fp8")
@@ -273,7 +273,7 @@ def run_variant(name: str, w: Workload, uncond: dict, refs: list[tuple[dict, tor
                                args.device))
         torch._dynamo.reset()
         return row
-    fp8 = kopt.FP8Config(intermediates=args.fp8_intermediates,
+    fp8 = kopt.FP8Config(layout=args.fp8_layout, intermediates=args.fp8_intermediates,
                          activation_math=args.fp8_activation_math)
     config = kopt.PassConfig(fp8=fp8 if name.startswith("kopt-fp8") else None).replace(
         **{p: True for p in args.enable})
@@ -407,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--error-inputs", type=int, default=3, metavar="N",
                    help="measure the output error on N inputs: the workload's, and N - 1 drawn "
                         "again (same shapes and scale); the table shows their mean and range")
+    p.add_argument("--fp8-layout", choices=LAYOUTS, default="rowwise",
+                   help="kopt-fp8's scale layout (kopt.FP8Config.layout)")
     p.add_argument("--fp8-intermediates", choices=INTERMEDIATES, default="fp32",
                    help="kopt-fp8's fused norm + quantizer order (kopt.FP8Config.intermediates)")
     p.add_argument("--fp8-activation-math", choices=ACTIVATION_MATHS, default="fast",
@@ -428,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "iters": args.iters,
-            "fp8_intermediates": args.fp8_intermediates,
+            "fp8_layout": args.fp8_layout, "fp8_intermediates": args.fp8_intermediates,
             "fp8_activation_math": args.fp8_activation_math}
     print(w.description, flush=True)
     ref = w.run()

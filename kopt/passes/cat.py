@@ -14,6 +14,11 @@ Runs after the passes that fuse a cat into a kernel of their own (``fuse_act_qua
 Not rewritten: a cat of contiguous tensors (ATen's kernel vectorizes those), of inputs that
 cannot be viewed as rows, of rows shorter than ``MIN_ROW_BYTES`` (a cat along the last dim,
 such as RoPE's rotate-half), or of mixed dtypes.
+
+An input that is ``view(p + b)`` (``b`` one vector of a row's values, the add read only there:
+the V slice of a merged projection whose bias its GEMM left standing, the blockwise FP8 GEMM's,
+split per slice by :mod:`kopt.patterns.bias`) is read as ``view(p)`` with ``b`` added in the
+copy: one pass over V instead of two.
 """
 
 from __future__ import annotations
@@ -42,6 +47,38 @@ MIN_ROW_BYTES = 128
 class _Site(NamedTuple):
     tensors: list[fx.Node]
     dim: int
+    # per input: (p, bias) when the input is view(p + bias) and the copy adds the bias
+    biased: list[tuple[fx.Node, fx.Node] | None]
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _biased(t: fx.Node, dim: int) -> tuple[fx.Node, fx.Node] | None:
+    """``(p, b)`` if ``t`` is ``view(p + b)``, ``b`` one vector of the row's values after
+    ``dim``, and ``view(p)`` is a view (no copy)."""
+    if t.op != "call_function" or t.target not in _VIEWS or len(t.users) != 1:
+        return None
+    add = t.args[0]
+    if not (isinstance(add, fx.Node) and add.target is aten.add.Tensor and len(add.args) == 2
+            and not add.kwargs and len(add.users) == 1):
+        return None
+    tv = t.meta["val"]
+    inner = math.prod(tv.shape[dim + 1:])
+    for p, b in (add.args, add.args[::-1]):
+        if not (isinstance(p, fx.Node) and isinstance(b, fx.Node)):
+            continue
+        pv, bv = p.meta.get("val"), b.meta.get("val")
+        if not (isinstance(pv, torch.Tensor) and isinstance(bv, torch.Tensor)):
+            continue
+        if bv.dim() == 1 and bv.shape[0] == inner and pv.shape == add.meta["val"].shape \
+                and bv.dtype == pv.dtype == tv.dtype and pv.shape[-1] == inner:
+            try:
+                view = pv.view(tv.shape)  # a fake tensor: strides only
+            except (RuntimeError, ValueError):
+                return None
+            return (p, b) if not isinstance(row_view(view, dim), str) else None
+    return None
 
 
 def cat_site(node: fx.Node) -> _Site | str | None:
@@ -58,9 +95,13 @@ def cat_site(node: fx.Node) -> _Site | str | None:
         return None
     if len({v.dtype for v in vals}) != 1 or len({v.dim() for v in vals}) != 1:
         return "inputs of mixed dtypes or ranks"
-    if all(v.is_contiguous() for v in vals):
-        return "inputs contiguous: ATen's cat already copies them as vectors"
     dim = dim % vals[0].dim()
+    biased = [_biased(t, dim) for t in tensors]
+    if any(biased):
+        vals = [v if bp is None else bp[0].meta["val"].view(v.shape)
+                for v, bp in zip(vals, biased, strict=True)]
+    elif all(v.is_contiguous() for v in vals):
+        return "inputs contiguous: ATen's cat already copies them as vectors"
     for v in vals:
         why = row_view(v, dim)
         if isinstance(why, str):
@@ -69,7 +110,7 @@ def cat_site(node: fx.Node) -> _Site | str | None:
     if row_bytes < MIN_ROW_BYTES:
         return (f"rows of {row_bytes} bytes: too short for row copies (a program per row; "
                 f"ATen's cat, e.g. RoPE's rotate-half)")
-    return _Site(list(tensors), dim)
+    return _Site(list(tensors), dim, biased)
 
 
 class CatRows(NodeSitePass):
@@ -81,9 +122,23 @@ class CatRows(NodeSitePass):
 
     def apply(self, gm: fx.GraphModule, node: fx.Node, site: _Site) -> None:
         g = gm.graph
+        tensors, biases = list(site.tensors), None
         with g.inserting_before(node):
-            new = g.call_function(cat_rows, (site.tensors, site.dim))
+            if any(site.biased):
+                biases = []
+                for i, (t, bp) in enumerate(zip(site.tensors, site.biased, strict=True)):
+                    biases.append(None if bp is None else bp[1])
+                    if bp is not None:
+                        tensors[i] = g.call_function(aten.view.default,
+                                                     (bp[0], list(t.meta["val"].shape)))
+                        infer_meta(gm, tensors[i])
+            new = g.call_function(cat_rows, (tensors, site.dim) + ((biases,) if biases else ()))
         infer_meta(gm, new)
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(new)
         g.erase_node(node)
+        for t, bp in zip(site.tensors, site.biased, strict=True):
+            if bp is not None:  # the view of the add, then the add
+                add = t.args[0]
+                g.erase_node(t)
+                g.erase_node(add)

@@ -17,7 +17,10 @@ class FP8Config:
     """``rowwise``: weights per output channel, activations per token (``torch._scaled_mm``).
     ``blockwise``: weights in 128x128 blocks, activations in 1x128 groups (``F.scaled_mm``'s
     blockwise recipe on CUDA); linears whose features are not multiples of 128 stay as they
-    are, with that reason."""
+    are, with that reason. On the H200 (benchmarks/RESULTS.md session 12) blockwise gives an
+    output error below naive FP8's on W1 and W2, where rowwise's is above it, at 0.92-0.97x of
+    naive FP8's time against rowwise's 0.86-0.95x (its GEMMs are slower, and its GEMM adds no
+    bias: the fused kernels after it do)."""
 
     min_features: int = 1024
     """Linears with fewer input or output features stay as they are (the naive FP8 recipe's

@@ -29,7 +29,7 @@ from kopt.passes.gqa import FoldGroupedQueryHeads
 from kopt.passes.hoist import HoistInvariants, cached_regions
 from kopt.passes.noop import ReinplaceCacheUpdates, RemoveNoOps
 from kopt.patterns.act_quant import ACT, act_quant_rewrite
-from kopt.patterns.bias import ABSORB_BIAS
+from kopt.patterns.bias import ABSORB_BIAS, SPLIT_BIAS_ADD
 from kopt.patterns.collectives import ALLREDUCE_NORM_FUSIONS
 from kopt.patterns.fp8 import fp8_linear
 from kopt.patterns.gemm_epilogue import GEMM_EPILOGUE
@@ -50,7 +50,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("cse", lambda c: EliminateCommonSubexpressions()),  # exposes shared inputs to the merge
     ("merge_projections", lambda c: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
     ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV
-    ("absorb_bias", lambda c: RewritePass("absorb_bias", [ABSORB_BIAS])),
+    ("absorb_bias", lambda c: RewritePass("absorb_bias", [ABSORB_BIAS, SPLIT_BIAS_ADD])),
     ("gemm_epilogue", lambda c: RewritePass("gemm_epilogue", [GEMM_EPILOGUE])),
     # q/k are views of the merged QKV output here; the quantizers are the fp8 pass's
     ("fuse_qk_norm_rope", lambda c: RewritePass("fuse_qk_norm_rope", [QK_NORM_ROPE])),

@@ -4,6 +4,7 @@ moves into the activation that produces its input, so the activation is never wr
     # quant(reshape(silu(g) * u)) -> act_quant(g, u, "silu_mul")     SwiGLU (gate/up: views)
     # quant(reshape(gelu(x)))     -> act_quant(x, "gelu_tanh")   (GELU(erf): rejected, see why_not)
     # quant(reshape(cat([o, act]))) -> cat_act_quant(o, g, u, ...)  (either order, last dim)
+    # quant_group(reshape(act(y + b))) -> act_quant_group(y, [u,] act, b)   (1x128 groups)
 
 Found by structure alone: a ``kopt::quant_fp8_rowwise`` of a per-call value whose producer,
 through at most one reshape to [rows, features], is ``silu(g) * u`` (either operand order) or
@@ -13,6 +14,14 @@ output projection). With ``FP8Config(activation_math="exact")`` the fused op kee
 unfused op order and roundings (see :mod:`kopt.codegen.kernels.act_quant`), hence the exact
 tier; with the default ``"fast"`` (:func:`act_quant_rewrite`) SiLU and GELU(tanh) take the
 kernel's approximate-math form instead, tolerance tier.
+
+The 1x128-group quantizer of ``FP8Config(layout="blockwise")`` (``kopt::quant_fp8_group``)
+fuses the same way into ``kopt::act_quant_fp8_group``
+(:mod:`kopt.codegen.kernels.act_quant_group`), and takes the bias add before a GELU with it
+(``gelu(y + b)``, ``b`` a load-time vector of the features): the blockwise GEMM adds no bias
+in its epilogue, so the add would otherwise be a pass of its own over the GEMM's output.
+The concatenation of FLUX.2's single-stream blocks fuses too, where its first part is a
+multiple of 128 wide (no group spans both parts).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 from torch import fx
 
 import kopt.codegen.kernels.act_quant  # noqa: F401 -- registers kopt::act_quant_fp8_rowwise
+import kopt.codegen.kernels.act_quant_group  # noqa: F401 -- registers kopt::act_quant_fp8_group
 import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers kopt::quant_fp8_rowwise
 from kopt.codegen.kernels.act_quant import FAST, FAST_ACTIVATIONS, KERNEL_DTYPES
 from kopt.graph import constant_nodes, describe_node, infer_meta, op_name, tensor_meta
@@ -31,7 +41,9 @@ from kopt.patterns.core import Match, Rejection, StructuralRewrite, exact, toler
 
 aten = torch.ops.aten
 QUANT = torch.ops.kopt.quant_fp8_rowwise.default
+QUANT_GROUP = torch.ops.kopt.quant_fp8_group.default
 FUSED = torch.ops.kopt.act_quant_fp8_rowwise.default
+FUSED_GROUP = torch.ops.kopt.act_quant_fp8_group.default
 FUSED_CAT = torch.ops.kopt.cat_act_quant_fp8_rowwise.default
 NAME = "fuse_act_quant"
 _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
@@ -54,11 +66,24 @@ def _activation(act: fx.Node) -> tuple[str, fx.Node, fx.Node | None, fx.Node | N
     return f"the quantizer's input comes from {op_name(act)}, not silu(gate) * up or gelu"
 
 
+def _bias_add(x: fx.Node, consts: set[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
+    """``(y, b)`` if ``x`` is ``y + b`` with ``b`` a load-time vector of x's features."""
+    if not (_is(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs):
+        return None
+    for y, b in (x.args, x.args[::-1]):
+        if isinstance(y, fx.Node) and isinstance(b, fx.Node) and b in consts \
+                and y not in consts and tuple(tensor_meta(b).shape) == \
+                tuple(tensor_meta(x).shape[-1:]) and tensor_meta(y).shape == tensor_meta(x).shape:
+            return y, b
+    return None
+
+
 def find_act_quant(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
     consts = constant_nodes(gm.graph)
     for quant in gm.graph.nodes:
-        if not _is(quant, QUANT) or quant.args[0] in consts:
+        if not _is(quant, QUANT, QUANT_GROUP) or quant.args[0] in consts:
             continue  # a weight's quantizer runs once, at load
+        group = quant.target is QUANT_GROUP
         x = quant.args[0]
         reshape = x if _is(x, *_RESHAPES) else None
         act = reshape.args[0] if reshape is not None else x
@@ -78,10 +103,16 @@ def find_act_quant(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
             yield Rejection(NAME, quant.name, found, near_miss=True)
             continue
         kind, gate, up, silu = found
+        bias = bias_add = None
+        if group and kind.startswith("gelu") and isinstance(gate, fx.Node):
+            found_bias = _bias_add(gate, consts)
+            if found_bias is not None:
+                bias_add, (gate, bias) = gate, found_bias
         bindings = {"quant": quant, "reshape": reshape, "act": act, "silu": silu,
                     "gate": gate, "up": up, "kind": kind, "cat": cat, "other": other,
-                    "other_first": other_first}
-        nodes = tuple(n for n in (silu, act, cat, reshape, quant) if n is not None)
+                    "other_first": other_first, "group": group, "bias": bias,
+                    "bias_add": bias_add}
+        nodes = tuple(n for n in (bias_add, silu, act, cat, reshape, quant) if n is not None)
         yield Match(NAME, quant, nodes, bindings, outputs=(quant,))
 
 
@@ -114,6 +145,8 @@ def _operands_problem(b: dict) -> str | None:
             return f"gate {g.dtype} and up {u.dtype} differ in dtype"
     if a.dtype != g.dtype:
         return f"activation output {a.dtype} differs from its input's {g.dtype}"
+    if b.get("bias") is not None and tensor_meta(b["bias"]).dtype != g.dtype:
+        return f"bias dtype {tensor_meta(b['bias']).dtype} differs from the input's {g.dtype}"
     cat = b["cat"]
     if cat is not None:
         o, c = tensor_meta(b["other"]), tensor_meta(cat)
@@ -123,14 +156,18 @@ def _operands_problem(b: dict) -> str | None:
         if o.dtype != a.dtype or tuple(o.shape[:-1]) != tuple(a.shape[:-1]):
             return (f"the tensor concatenated with the activation, {o.dtype}{list(o.shape)}, "
                     f"has other rows or dtype than {a.dtype}{list(a.shape)}")
+        first = o.shape[-1] if b["other_first"] else a.shape[-1]
+        if b.get("group") and first % 128:
+            return (f"the concatenation's first part is {first} wide: a 1x128 group would "
+                    "span both parts")
     return None
 
 
 def why_not(gm: fx.GraphModule, match: Match) -> str | None:
     b = match.bindings
     quant, reshape, act, silu, cat = (b[k] for k in ("quant", "reshape", "act", "silu", "cat"))
-    why = _still_needed((silu, act), (act, cat or reshape or quant), (cat, reshape or quant),
-                        (reshape, quant)) or _operands_problem(b)
+    why = _still_needed((b["bias_add"], act), (silu, act), (act, cat or reshape or quant),
+                        (cat, reshape or quant), (reshape, quant)) or _operands_problem(b)
     if why:
         return why
     x, rows = tensor_meta(quant.args[0]), tensor_meta(cat if cat is not None else act)
@@ -145,7 +182,10 @@ def fuse(gm: fx.GraphModule, match: Match, fast: bool = False) -> None:
     g = gm.graph
     kind = b["kind"] + FAST if fast and b["kind"] in FAST_ACTIVATIONS else b["kind"]
     with g.inserting_before(quant):
-        if b["cat"] is None:
+        if b["group"]:
+            fused = g.call_function(FUSED_GROUP, (b["gate"], b["up"], kind, b["bias"],
+                                                  b["other"], b["other_first"]))
+        elif b["cat"] is None:
             fused = g.call_function(FUSED, (b["gate"], b["up"], kind))
         else:
             fused = g.call_function(FUSED_CAT, (b["other"], b["gate"], b["up"], kind,
@@ -153,7 +193,7 @@ def fuse(gm: fx.GraphModule, match: Match, fast: bool = False) -> None:
         infer_meta(gm, fused)
     fused.meta["kopt_from"] = f"{kind}+quant({describe_node(b['act'])})"
     quant.replace_all_uses_with(fused)  # same outputs: (e4m3 values, fp32 scales)
-    for node in (quant, b["reshape"], b["cat"], b["act"], b["silu"]):
+    for node in (quant, b["reshape"], b["cat"], b["act"], b["silu"], b["bias_add"]):
         if node is not None and not node.users:
             g.erase_node(node)
 
@@ -168,7 +208,9 @@ def describe(match: Match) -> str:
     rows, features = tensor_meta(b["quant"].args[0]).shape
     cat = "" if b["cat"] is None else (" (cat after another tensor)" if b["other_first"]
                                        else " (cat before another tensor)")
-    return f"{describe_node(b['act'])}: {b['kind']}{cat} + quant, {rows} x {features}"
+    bias = "bias + " if b["bias"] is not None else ""
+    quant = "quant 1x128" if b["group"] else "quant"
+    return f"{describe_node(b['act'])}: {bias}{b['kind']}{cat} + {quant}, {rows} x {features}"
 
 
 def describe_fast(match: Match) -> str:
@@ -196,7 +238,8 @@ def act_quant_rewrite(math: str = "exact") -> StructuralRewrite:
         describer=describe_fast if math == "fast" else describe,
         numerics=NUMERICS if math == "exact" else NUMERICS_FAST,
         benefit=5,
-        description="quant([cat(o,)] silu(g) * u | gelu(x)) -> act_quant(g, u | x [, o])",
+        description="quant([cat(o,)] silu(g) * u | gelu(x [+ b])) -> act_quant(g, u | x [, o] "
+                    "[, b])",
     )
 
 

@@ -6,19 +6,29 @@ The FP8 rewrite produces ``_scaled_mm`` followed by a separate bias add (one mor
 output: the report this project grew from measured such adds after Qwen-Image's output
 projections at ~5% of an FP8 step). ``torch._scaled_mm`` adds the bias in its epilogue, in fp32
 before the output is rounded: one rounding fewer, so the tier is tolerance, not exact. Models
-without biases (FLUX.2) have nothing to absorb, and the pass says so. Absorbing into a fused
-consumer (gated residual, norm) comes with the fused kernels.
+without biases (FLUX.2) have nothing to absorb, and the pass says so.
+
+A GEMM that cannot add its bias (the blockwise FP8 GEMM: cuBLAS's blockwise kernel with a bias
+measured slower than a separate add) leaves it to the fused kernel after it: the gated
+residual + norm (:mod:`kopt.patterns.rowwise_fusion`), the activation + quantizer
+(:mod:`kopt.patterns.act_quant`), QK-norm + RoPE (:mod:`kopt.patterns.qk_norm_rope`). A merged
+QKV projection's add comes before the split into q, k and v, so this pass first splits it:
+
+    # split(y + b, sizes, -1)[i]  ->  split(y, sizes, -1)[i] + split(b, sizes)[i]     (exact)
+
+after which each slice's add is its consumer's to take (the same values, added elementwise).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import torch
 from torch import fx
 
-from kopt.graph import constant_nodes, tensor_meta
-from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
+from kopt.graph import constant_nodes, infer_meta, tensor_meta
+from kopt.patterns.core import Match, Rejection, StructuralRewrite, exact, tolerance
 
 aten = torch.ops.aten
 GEMM = aten._scaled_mm.default
@@ -76,4 +86,78 @@ ABSORB_BIAS = StructuralRewrite(
                        "rounded, instead of after: one rounding fewer"),
     benefit=5,
     description="reshape(mm_fp8(a, b)) + bias -> reshape(mm_fp8(a, b, bias=bias))",
+)
+
+
+# -- a bias add before a split along the features: one add per slice ---------------------------
+SPLIT_NAME = "split_bias_add"
+_SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
+
+
+def _vector_and_tile(add: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(y, b)`` of ``add = y + b`` with ``b`` one vector of y's last dim, y the add's shape."""
+    if add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
+        return None
+    for y, b in (add.args, add.args[::-1]):
+        if isinstance(y, fx.Node) and isinstance(b, fx.Node):
+            yv, bv, av = tensor_meta(y), tensor_meta(b), tensor_meta(add)
+            if bv.dim() == 1 and yv.shape == av.shape and bv.shape[0] == av.shape[-1] \
+                    and yv.dtype == bv.dtype == av.dtype:
+                return y, b
+    return None
+
+
+def find_split_bias_adds(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
+    for add in gm.graph.nodes:
+        found = _vector_and_tile(add)
+        if found is None or len(add.users) != 1:
+            continue
+        split = next(iter(add.users))
+        if split.target not in _SPLITS:
+            continue
+        rank = tensor_meta(add).dim()
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if dim % rank != rank - 1:
+            yield Rejection(SPLIT_NAME, add.name, f"the split after the bias add is along dim "
+                            f"{dim}, not the features")
+            continue
+        if not all(u.target is operator.getitem for u in split.users):
+            yield Rejection(SPLIT_NAME, add.name, "the split's result is used whole")
+            continue
+        y, b = found
+        yield Match(SPLIT_NAME, add, (add, split), {"y": y, "bias": b, "split": split})
+
+
+def split_add(gm: fx.GraphModule, match: Match) -> None:
+    add, split = match.anchor, match.bindings["split"]
+    y, b = match.bindings["y"], match.bindings["bias"]
+    g = gm.graph
+
+    def call(target: object, *args: object) -> fx.Node:
+        node = g.call_function(target, args)
+        infer_meta(gm, node)
+        return node
+
+    sizes = split.args[1]
+    with g.inserting_before(split):
+        ys = call(split.target, y, sizes, -1)
+        bs = call(split.target, b, sizes, 0)
+    for item in list(split.users):
+        i = item.args[1]
+        with g.inserting_before(item):
+            piece = call(aten.add.Tensor, call(operator.getitem, ys, i),
+                         call(operator.getitem, bs, i))
+        item.replace_all_uses_with(piece)
+        g.erase_node(item)
+    g.erase_node(split)
+    g.erase_node(add)
+
+
+SPLIT_BIAS_ADD = StructuralRewrite(
+    name=SPLIT_NAME,
+    matcher=find_split_bias_adds,
+    applier=split_add,
+    numerics=exact("the same elementwise adds, of the same values, per slice"),
+    benefit=1,
+    description="split(y + b, -1)[i] -> split(y, -1)[i] + split(b)[i]",
 )

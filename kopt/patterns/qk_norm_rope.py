@@ -61,6 +61,9 @@ class _Segment:
     cos: fx.Node  # the table as the model multiplies by it ("complex": the complex frequencies)
     sin: fx.Node | None
     offset: int | None = None  # start of this segment in a table shared by several segments
+    # x = view(pre + bias) with bias one vector of H D: the op reads view(pre) and adds the bias
+    pre: fx.Node | None = None
+    bias: fx.Node | None = None
 
 
 @dataclass
@@ -296,7 +299,7 @@ def _unit(out: fx.Node) -> _Unit:
             unit.segments.append(seg)
             unit.nodes += rope.nodes + norm.nodes
             _note(unit, rope, norm)
-        return unit
+        return _bind_biases(unit)
     rope = _rope(out)
     x, transposed, extra = rope.x, False, []
     if _is(x, aten.transpose.int) and sorted(_dim(x, d) for d in x.args[1:]) == [1, 2]:
@@ -317,6 +320,32 @@ def _unit(out: fx.Node) -> _Unit:
         _note(unit, None, norm)
     if parts:
         unit.nodes.append(x)
+    return _bind_biases(unit)
+
+
+def _bind_biases(unit: _Unit) -> _Unit:
+    """Take ``x = view(pre + bias)`` apart in every segment (the projection's bias, split per
+    q / k / v slice by the bias pass), if every segment has one and nothing else reads the
+    add or the view; otherwise leave the adds to run before the op."""
+    found = []
+    for seg in unit.segments:
+        x = seg.x
+        add = x.args[0] if _is(x, *_VIEWS, aten._unsafe_view.default) else None
+        if not (_is(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs
+                and len(add.users) == 1):
+            return unit
+        heads_dim = _val(x).shape[2] * _val(x).shape[3]
+        for pre, bias in (add.args, add.args[::-1]):
+            if isinstance(pre, fx.Node) and isinstance(bias, fx.Node) \
+                    and _val(bias).dim() == 1 and _val(bias).shape[0] == heads_dim \
+                    and _val(pre).shape == _val(add).shape and _val(bias).dtype == _val(x).dtype:
+                found.append((pre, bias, [x, add]))
+                break
+        else:
+            return unit
+    for seg, (pre, bias, nodes) in zip(unit.segments, found, strict=True):
+        seg.pre, seg.bias = pre, bias
+        unit.nodes += nodes
     return unit
 
 
@@ -477,11 +506,22 @@ def fuse(gm: fx.GraphModule, match: Match) -> None:
         infer_meta(gm, node)
         return node
 
+    def operands(unit: _Unit) -> tuple[list[fx.Node], list[fx.Node]]:
+        """The segments as the op reads them, and their biases ([H, D]) if bound."""
+        if unit.segments[0].bias is None:
+            return [s.x for s in unit.segments], []
+        shapes = [list(_val(s.x).shape) for s in unit.segments]
+        return ([emit(aten.reshape.default, s.pre, shape)
+                 for s, shape in zip(unit.segments, shapes, strict=True)],
+                [emit(aten.view.default, s.bias, shape[2:])
+                 for s, shape in zip(unit.segments, shapes, strict=True)])
+
     with g.inserting_before(first_user):
         tables = [_tables(uq, i, emit) for i in range(len(uq.segments))]
-        fused = emit(FUSED, [s.x for s in uq.segments], [s.x for s in uk.segments],
-                     [s.weight for s in uq.segments], [s.weight for s in uk.segments],
-                     [c for c, _ in tables], [s for _, s in tables], uq.eps, uq.norm, uq.rope)
+        (qx, qb), (kx, kb) = operands(uq), operands(uk)
+        fused = emit(FUSED, qx, kx, [s.weight for s in uq.segments],
+                     [s.weight for s in uk.segments], [c for c, _ in tables],
+                     [s for _, s in tables], uq.eps, uq.norm, uq.rope, qb, kb)
         fused.meta["kopt_from"] = f"qk_norm_rope({describe_node(uq.out)})"
         outs = [emit(operator.getitem, fused, 0), emit(operator.getitem, fused, 1)]
         if uq.transposed:
@@ -499,8 +539,10 @@ def describe(match: Match) -> str:
     b, _, hq, d = _val(uq.segments[0].x).shape
     hk = _val(uk.segments[0].x).shape[2]
     seqs = "+".join(str(_val(s.x).shape[1]) for s in uq.segments)
+    bias = "".join(f", {r} bias" for r, u in (("q", uq), ("k", uk))
+                   if u.segments[0].bias is not None)
     return (f"{describe_node(uq.out)}: {uq.norm} + {uq.rope} RoPE, q {hq} / k {hk} heads x {d}, "
-            f"tokens {seqs}")
+            f"tokens {seqs}{bias}")
 
 
 QK_NORM_ROPE = StructuralRewrite(

@@ -115,6 +115,8 @@ class Site:
     y: fx.Node | None = None  # the branch added to it
     gate: fx.Node | None = None
     product: fx.Node | None = None  # gate * y
+    rbias: fx.Node | None = None  # y = y0 + rbias, rbias one vector of the features
+    bias_add: fx.Node | None = None  # that add (y is then y0)
 
     @property
     def end(self) -> fx.Node:
@@ -124,7 +126,7 @@ class Site:
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
         """Every node the fused op replaces."""
-        front = [n for n in (self.product, self.h) if n is not None]
+        front = [n for n in (self.bias_add, self.product, self.h) if n is not None]
         back = [n for n in (self.rows_view, self.quant) if n is not None]
         return tuple(dict.fromkeys([*front, *self.norm.nodes, *self.chain, *back]))
 
@@ -264,8 +266,23 @@ def _add_residual(site: Site) -> Site | _Miss:
         g0, g1 = p.args[:2]
         gate, y = (g1, g0) if _is_tile(g0, main) and not _is_tile(g1, main) else (g0, g1)
         site.h, site.x, site.y, site.gate, site.product = h, other, y, gate, p
-        return site
+        return _bias_before(site, p)
     site.h, site.x, site.y = h, a, b
+    return _bias_before(site, h)
+
+
+def _bias_before(site: Site, reader: fx.Node) -> Site:
+    """Bind ``y = y0 + b`` (``b`` one vector of the features, the add read only by ``reader``):
+    a GEMM's bias its epilogue did not add (the blockwise FP8 GEMM's) goes into the prologue."""
+    y = site.y
+    if not (_is(y, aten.add.Tensor) and len(y.args) == 2 and not y.kwargs
+            and set(y.users) == {reader}):
+        return site
+    main = _shape(y)
+    for y0, b in (y.args, y.args[::-1]):
+        if _is_tile(y0, main) and is_tensor_node(b) and _shape(b) == main[-1:]:
+            site.y, site.rbias, site.bias_add = y0, b, y
+            break
     return site
 
 
@@ -273,7 +290,8 @@ def _depends_on_site(site: Site, order: dict[fx.Node, int]) -> str | None:
     """Why the fused op could not run (an input it needs is computed from its own values)."""
     fused = set(site.nodes)
     start = min(order[n] for n in fused)
-    inputs = [site.x, site.y, site.gate, site.norm.weight, site.norm.bias, *site.operands()]
+    inputs = [site.x, site.y, site.rbias, site.gate, site.norm.weight, site.norm.bias,
+              *site.operands()]
     for node in inputs:
         if node is None or not isinstance(node, fx.Node):
             continue
@@ -431,6 +449,11 @@ def plan(gm: fx.GraphModule, site: Site, intermediates: str = "eager") -> Plan |
                 return (f"the gated product {site.product.name} is also used by "
                         f"{', '.join(_extra_users(site.product, {site.h}))}")
         inputs.update(x=site.x, y=site.y)
+        if site.rbias is not None:
+            bv = tensor_meta(site.rbias)
+            if bv.dtype != dtype or tensor_meta(site.bias_add).dtype != dtype:
+                return f"the bias added to y is {bv.dtype}, the residual {dtype}"
+            inputs["residual_bias"] = site.rbias
         if site.gate is not None:
             inputs["gate"] = site.gate
     else:
@@ -476,7 +499,8 @@ def plan(gm: fx.GraphModule, site: Site, intermediates: str = "eager") -> Plan |
         spec = RowwiseSpec(
             dtype=DTYPE_NAMES[dtype], norm=norm.kind, eps=norm.eps, weight=norm.weight is not None,
             bias=norm.bias is not None, affine_after_round=after_round,
-            residual=site.h is not None, gate=site.gate is not None,
+            residual=site.h is not None, residual_bias=site.rbias is not None,
+            gate=site.gate is not None,
             modulation=modulation is not None, epilogue=epilogue, outputs=tuple(outputs),
             intermediates=intermediates)
         ordered = {name: inputs[name] for name in spec.input_names()}
@@ -566,7 +590,8 @@ def describe(match: Match) -> str:
     site: Site = match.bindings["site"]
     steps = []
     if site.h is not None:
-        steps.append("x + g * y" if site.gate is not None else "x + y")
+        y = "(y + b)" if site.rbias is not None else "y"
+        steps.append(f"x + g * {y}" if site.gate is not None else f"x + {y}")
     steps.append(f"{site.norm.kind}_norm")
     if site.chain:
         dtype = tensor_meta(site.norm.x).dtype

@@ -3,6 +3,8 @@ there is no bias (FLUX.2), and a bias whose GEMM output has another user stays."
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -51,3 +53,55 @@ def test_bias_stays_when_the_gemm_output_has_another_user() -> None:
     result = opt.report.result("absorb_bias")
     assert result.matched == 0
     assert result.rejected == {"the GEMM's output has other users, which must not see the bias": 1}
+
+
+# -- a bias add before a split along the features (the blockwise FP8 GEMM adds no bias) --------
+BLOCKWISE = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16, layout="blockwise"))
+
+
+class QKV(nn.Module):
+    """One merged projection split into three; ``dim`` is the split's dim."""
+
+    def __init__(self, dim: int = -1) -> None:
+        super().__init__()
+        self.proj, self.dim = nn.Linear(512, 3 * 128, dtype=torch.bfloat16), dim
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.proj(x)
+        if self.dim == -1:
+            q, k, v = y.split([128, 128, 128], -1)
+        else:
+            q, k, v = y.split(1, self.dim)
+        return q * 2, k + 1, v
+
+
+def _adds(opt) -> list:  # noqa: ANN001
+    return [n for n in opt.graph_module.graph.nodes if n.target is aten.add.Tensor]
+
+
+def test_a_bias_add_the_gemm_cannot_take_is_split_per_slice() -> None:
+    x = torch.randn(2, 3, 512, dtype=torch.bfloat16)
+    opt = kopt.optimize(QKV().eval(), (x,), config=BLOCKWISE)
+    result = opt.report.result("absorb_bias")
+    assert result.matched == 1 and result.verdict.passed
+    # q, k, v each get their slice of the bias (and k's + 1 stays)
+    adds = _adds(opt)
+    assert len(adds) == 4
+    pieces = [n for n in adds if n.args[0].target is operator.getitem]
+    assert sorted(tuple(n.meta["val"].shape) for n in pieces) == [(2, 3, 128)] * 3
+
+
+def test_rowwise_fp8_absorbs_the_bias_before_the_split_instead() -> None:
+    opt = kopt.optimize(QKV().eval(), (torch.randn(2, 3, 512, dtype=torch.bfloat16),),
+                        config=FP8)
+    result = opt.report.result("absorb_bias")
+    assert result.matched == 1 and result.details and "split" not in result.details[0]
+    assert [n.kwargs.get("bias") is not None for n in _gemms(opt)] == [True]
+
+
+def test_a_split_across_tokens_keeps_the_add_and_says_why() -> None:
+    opt = kopt.optimize(QKV(dim=1).eval(), (torch.randn(2, 3, 512, dtype=torch.bfloat16),),
+                        config=BLOCKWISE)
+    result = opt.report.result("absorb_bias")
+    assert result.matched == 0
+    assert result.rejected == {"the split after the bias add is along dim 1, not the features": 1}

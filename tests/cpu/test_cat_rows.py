@@ -52,6 +52,20 @@ def test_kernel_is_bitwise_torch_cat(shapes: list, dim: int, dtype: torch.dtype)
     assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_adds_a_bias_on_the_way_bitwise(dtype: torch.dtype) -> None:
+    xs = _slices([(1, 7, 3, 5), (1, 130, 3, 5)], dtype, seed=3)
+    b = torch.randn(15).to(dtype) * 4
+    for biases in ([None, b], [b, b]):
+        got = cat_rows_triton(xs, 1, biases)
+        want = torch.cat([x if bias is None else x + bias.view(3, 5)
+                          for x, bias in zip(xs, biases, strict=True)], 1)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.ops.kopt.cat_rows(xs, 1, biases), want)
+    with pytest.raises(ValueError, match="not one torch.* vector of the 15 values"):
+        cat_rows_triton(xs, 1, [None, b[:5]])
+
+
 def test_kernel_falls_back_where_rows_are_not_contiguous() -> None:
     x = torch.randn(4, 6, 5).transpose(1, 2)  # [4, 5, 6], values after dim 1 strided
     assert isinstance(row_view(x, 1), str)
@@ -80,6 +94,30 @@ class JointV(nn.Module):
         vt = self.txt(txt)[..., 2 * d:].unflatten(-1, (self.heads, -1))
         joint = torch.cat([vt, vi], dim=1)
         return joint.transpose(1, 2).reshape(b, -1) * 2
+
+
+class BiasedJointV(JointV):
+    """JointV whose projections' bias adds stand after the GEMM, as the blockwise FP8 GEMM
+    leaves them (split per slice: V's slice of each bias added to V's slice)."""
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+        b, d = img.shape[0], img.shape[-1]
+        vs = []
+        for proj, x in ((self.txt, txt), (self.img, img)):
+            y = nn.functional.linear(x, proj.weight)
+            vs.append((y[..., 2 * d:] + proj.bias[2 * d:]).unflatten(-1, (self.heads, -1)))
+        joint = torch.cat(vs, dim=1)
+        return joint.transpose(1, 2).reshape(b, -1) * 2
+
+
+def test_pass_takes_the_bias_adds_of_the_slices_into_the_copy() -> None:
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(2, 9, 32, generator=g), torch.randn(2, 4, 32, generator=g))
+    result, after = _run(BiasedJointV(), inputs)
+    assert result.matched == 1
+    [cat] = [n for n in after.graph.nodes if n.target is torch.ops.kopt.cat_rows.default]
+    assert [b is not None for b in cat.args[2]] == [True, True]
+    assert not any(n.target is aten.add.Tensor for n in after.graph.nodes)
 
 
 class NearMisses(nn.Module):

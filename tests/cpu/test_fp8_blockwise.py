@@ -58,6 +58,20 @@ def test_exact_product_dequantizes_the_weight_in_128_row_groups(monkeypatch) -> 
     assert sizes == [5, 128, 128, 128]  # the activation, then the weight by 128-row groups
 
 
+def test_block_quantizer_upcasts_the_weight_in_128_row_groups(monkeypatch) -> None:  # noqa: ANN001
+    """A merged weight of 2.2M rows (W1's modulation) must not be upcast to fp32 at once: the
+    result by 128-row groups is bitwise the one of a single chunk."""
+    import kopt.codegen.kernels.fp8_blockwise as B
+
+    w = torch.randn(384, 256, dtype=torch.bfloat16)
+    w[128:256] *= 50
+    q1, s1 = quant_fp8_block128_reference(w)
+    monkeypatch.setattr(B, "QUANT_CHUNK_BYTES", 4 * 256 * 128)  # one 128-row group a time
+    q2, s2 = B.quant_fp8_block128_reference(w)
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+    assert len(set(s2[:, 0].tolist())) == 3  # each group its own scales
+
+
 class _MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()

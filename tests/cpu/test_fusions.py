@@ -4,6 +4,7 @@ and the rewritten graph computes the same function at the declared tier."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -236,11 +237,13 @@ class MLP(nn.Module):
 
     def __init__(self, *, act: str = "swiglu", dim: int = 32, hidden: int = 64,
                  dtype: torch.dtype = torch.bfloat16, tap: bool = False,
-                 broadcast_up: bool = False, up_fp32: bool = False) -> None:
+                 broadcast_up: bool = False, up_fp32: bool = False, bias: bool = False,
+                 tap_pre: bool = False) -> None:
         super().__init__()
         self.act, self.tap, self.broadcast_up, self.up_fp32 = act, tap, broadcast_up, up_fp32
+        self.tap_pre = tap_pre
         width = 2 * hidden if act == "swiglu" else hidden
-        self.up = nn.Linear(dim, width, bias=False, dtype=dtype)
+        self.up = nn.Linear(dim, width, bias=bias, dtype=dtype)
         self.down = nn.Linear(hidden, dim, bias=False,
                               dtype=torch.float32 if up_fp32 else dtype)
 
@@ -256,6 +259,8 @@ class MLP(nn.Module):
         else:
             a = F.gelu(h, approximate="tanh" if self.act == "gelu_tanh" else "none")
         y = self.down(a)
+        if self.tap_pre:
+            return y, h
         return (y, a) if self.tap else y
 
 
@@ -315,6 +320,74 @@ def test_act_quant_near_misses_say_why(flags: dict, reason: str) -> None:
     assert reason in said and count == 1
 
 
+# -- the 1x128-group layout (FP8Config(layout="blockwise")) --------------------------------------
+ACT_GROUP = torch.ops.kopt.act_quant_fp8_group.default
+QUANT_GROUP = torch.ops.kopt.quant_fp8_group.default
+FP8_BLOCKWISE = dataclasses.replace(FP8, fp8=kopt.FP8Config(min_features=16, layout="blockwise"))
+
+
+def _blockwise_graph(**flags: object) -> tuple[fx.GraphModule, tuple]:
+    # blockwise FP8 wants features in multiples of 128 and in-features in multiples of 512
+    model = MLP(dim=512, hidden=512, **flags).eval()
+    x = torch.randn(2, 5, 512, dtype=torch.bfloat16)
+    opt = kopt.optimize(model, (x,), config=FP8_BLOCKWISE, verify=VerifyOptions(enabled=False))
+    return opt.graph_module, (x,)
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_act_quant_group_takes_the_blockwise_quantizer_and_a_gelus_bias(act: str,
+                                                                        bias: bool) -> None:
+    gm, inputs = _blockwise_graph(act=act, bias=bias)
+    adds = _count(gm, aten.add.Tensor)
+    assert _count(gm, QUANT_GROUP) == 2  # the MLP's input and the activation
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == 1 and _count(after, ACT_GROUP) == 1 and _count(after, ACT) == 0
+    assert _count(after, QUANT_GROUP) == 1
+    assert _count(after, aten.silu.default, aten.gelu.default) == 0
+    [fused] = [n for n in after.graph.nodes if n.target is ACT_GROUP]
+    # the bias add before a GELU goes into the kernel; SwiGLU's (before the split) stays
+    takes_bias = bias and act == "gelu_tanh"
+    assert (fused.args[3] is not None) == takes_bias
+    assert _count(after, aten.add.Tensor) == adds - takes_bias
+    assert ("bias + " in result.details[0]) == takes_bias and "quant 1x128" in result.details[0]
+    _verifies(gm, after, inputs, ACT_QUANT)
+
+
+def test_qk_norm_rope_takes_the_q_and_k_biases_the_blockwise_gemm_leaves(monkeypatch) -> None:  # noqa: ANN001
+    """Qwen-Image with head_dim 128 and blockwise FP8: the merged QKV's bias add is split per
+    slice (absorb_bias), and the q and k slices' adds go into the fused op."""
+    from kopt.models import qwen_image
+
+    monkeypatch.setattr(qwen_image, "TINY_CONFIG", dict(
+        qwen_image.TINY_CONFIG, num_layers=1, num_attention_heads=4, attention_head_dim=128,
+        joint_attention_dim=512, axes_dims_rope=(32, 48, 48)))
+    w = qwen_image.build("tiny", dtype=torch.bfloat16)
+    gm = kopt.optimize(w.model, w.args, w.kwargs, FP8_BLOCKWISE,
+                       verify=VerifyOptions(enabled=False)).graph_module
+    inputs = tuple(flatten_inputs(w.args, w.kwargs)[0])
+    after, result = _rewrite(gm, QK_NORM_ROPE)
+    assert result.matched == 1 and result.details[0].endswith("q bias, k bias"), result.details
+    [fused] = [n for n in after.graph.nodes if n.target is QK]
+    assert [len(fused.args[9]), len(fused.args[10])] == [2, 2]  # text and image segments
+
+    def slice_bias_adds(g: fx.GraphModule) -> int:  # y[..., 512] + b[512]: one per q/k/v slice
+        return sum(n.target is aten.add.Tensor and n.args[1].meta["val"].shape == (512,)
+                   for n in g.graph.nodes if len(n.args) == 2 and isinstance(n.args[1], fx.Node))
+
+    # q and k of text and image, and txt_in's (cat_rows took v's into the joint V copy)
+    assert slice_bias_adds(gm) == 5 and slice_bias_adds(after) == 1
+    _verifies(gm, after, inputs, QK_NORM_ROPE)
+
+
+def test_act_quant_group_leaves_a_bias_add_another_op_reads() -> None:
+    gm, inputs = _blockwise_graph(act="gelu_tanh", bias=True, tap_pre=True)
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == 0 and _count(after, ACT_GROUP) == 0
+    [(said, count)] = result.rejected.items()
+    assert "is also used by" in said and count == 1
+
+
 def test_gelu_erf_is_not_fused_and_says_why() -> None:
     """GELU(erf)+quant would not be bitwise on the GPU (Triton's erf vs CUDA's erff, measured):
     the exact rewrite leaves it, with the reason."""
@@ -340,16 +413,18 @@ class ParallelBlock(nn.Module):
     """A single-stream block's tail: ``out(cat([attn, swiglu(mlp_in)]))``; the flags make it a
     near miss or put the activation first."""
 
-    def __init__(self, act_first: bool = False, dim0: bool = False, tap: bool = False) -> None:
+    def __init__(self, act_first: bool = False, dim0: bool = False, tap: bool = False,
+                 dims: tuple[int, int, int] = (32, 16, 48)) -> None:
         super().__init__()
         self.act_first, self.dim0, self.tap = act_first, dim0, tap
-        self.attn, self.mlp_in = nn.Linear(32, 16), nn.Linear(32, 2 * 48)
-        self.out = nn.Linear(64, 32) if not dim0 else nn.Linear(48, 32)
+        d, d_attn, self.hidden = dims  # input, attention output, SwiGLU output widths
+        self.attn, self.mlp_in = nn.Linear(d, d_attn), nn.Linear(d, 2 * self.hidden)
+        self.out = nn.Linear(d_attn + self.hidden if not dim0 else self.hidden, d)
         self.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.mlp_in(x)
-        a = F.silu(h[..., :48]) * h[..., 48:]
+        a = F.silu(h[..., :self.hidden]) * h[..., self.hidden:]
         if self.dim0:
             row = torch.cat([a, a], 0)
         else:
@@ -369,6 +444,32 @@ def test_cat_act_quant_fires_in_either_order(act_first: bool) -> None:
     assert fused.args[4] is (not act_first)
     assert _count(after, aten.cat.default, aten.silu.default) == 0
     _verifies(gm, after, inputs, ACT_QUANT)
+
+
+@pytest.mark.parametrize("act_first", [False, True], ids=["attention-first", "act-first"])
+def test_cat_act_quant_group_fires_where_no_group_spans_both_parts(act_first: bool) -> None:
+    model = ParallelBlock(act_first=act_first, dims=(512, 128, 384)).eval()
+    x = torch.randn(2, 5, 512, dtype=torch.bfloat16)
+    gm = kopt.optimize(model, (x,), config=FP8_BLOCKWISE,
+                       verify=VerifyOptions(enabled=False)).graph_module
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == 1 and _count(after, ACT_GROUP) == 1 and _count(after, CAT_ACT) == 0
+    [fused] = [n for n in after.graph.nodes if n.target is ACT_GROUP]
+    assert fused.args[4] is not None and fused.args[5] is (not act_first)
+    assert _count(after, aten.cat.default, aten.silu.default) == 0
+    _verifies(gm, after, (x,), ACT_QUANT)
+
+
+def test_cat_act_quant_group_refuses_a_group_across_both_parts() -> None:
+    # attention 100 wide first: its last group would take 28 of the SwiGLU's values
+    model = ParallelBlock(dims=(512, 100, 412)).eval()
+    x = torch.randn(2, 5, 512, dtype=torch.bfloat16)
+    gm = kopt.optimize(model, (x,), config=FP8_BLOCKWISE,
+                       verify=VerifyOptions(enabled=False)).graph_module
+    after, result = _rewrite(gm, ACT_QUANT)
+    assert result.matched == 0 and _count(after, ACT_GROUP) == 0
+    [(said, count)] = result.rejected.items()
+    assert "first part is 100 wide" in said and count == 1
 
 
 @pytest.mark.parametrize(("flags", "reason"), [

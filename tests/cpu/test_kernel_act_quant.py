@@ -41,11 +41,13 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, activation: str,
     return gate, up if activation.startswith("silu_mul") else None
 
 
-def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
-           dtype: torch.dtype) -> None:
+def check_values(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                 dtype: torch.dtype) -> None:
+    """The kernel's e4m3 values and scales against the reference's, as the interpreter allows
+    (shared with the 1x128-group kernel's tests)."""
     (q, s), (q_ref, s_ref) = got, want
     assert q.dtype == E4M3 and q.shape == q_ref.shape and q.is_contiguous()
-    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape and s.stride() == s_ref.stride()
     torch.testing.assert_close(s, s_ref, rtol=SCALE_RTOL[dtype], atol=0)
     # within one e4m3 step (2^-3 relative; 2^-9 absolute among subnormals) of the reference,
     # after the scale difference
@@ -56,6 +58,13 @@ def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
     # all but a few values are bitwise the reference's (a misplaced rounding would move many)
     same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
     assert same >= 0.99, same
+
+
+def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+           dtype: torch.dtype) -> None:
+    check_values(got, want, dtype)
+    (q, _), (_, s_ref) = got, want
+    qf = q.float()
     # the row's largest value maps to e4m3's largest
     nonzero = s_ref.squeeze(-1) > 1e-12 / E4M3_MAX
     assert (qf.abs().amax(-1)[nonzero] == E4M3_MAX).all()

@@ -85,6 +85,31 @@ def test_triton_matches_the_reference(segs: list[int], hq: int, hk: int, d: int,
             assert (g == w).float().mean().item() >= 0.99
 
 
+@pytest.mark.parametrize(("segs", "hq", "hk", "d", "rope", "norm", "layout"),
+                         [CASES[1], CASES[3], CASES[5]], ids=["flux2", "qwen-image", "qwen3"])
+@pytest.mark.parametrize("which", ["q", "k", "both"])
+def test_a_projection_bias_is_added_first(segs: list[int], hq: int, hk: int, d: int, rope: str,
+                                          norm: str, layout: str, which: str) -> None:
+    """x + bias rounded to bf16 (the model's add), then the norm and RoPE: the kernel against
+    the reference with the bias, which differs from the one without."""
+    case = _case(segs, hq, hk, d, torch.bfloat16, rope, layout=layout, seed=3)
+    g = torch.Generator().manual_seed(4)
+    bias = {f"{r}_bias": [(torch.randn(h, d, generator=g) * 2).bfloat16() for _ in segs]
+            for r, h in (("q", hq), ("k", hk)) if which in (r, "both")}
+    tables = torch.float32 if rope != "half" else torch.bfloat16
+    case = dict(case, cos=[c.to(tables) for c in case["cos"]],
+                sin=[c.to(tables) for c in case["sin"]])
+    got = qk_norm_rope_triton(**case, **bias, eps=1e-6, norm=norm, rope=rope)
+    want = qk_norm_rope_reference(**case, **bias, eps=1e-6, norm=norm, rope=rope)
+    plain = qk_norm_rope_reference(**case, eps=1e-6, norm=norm, rope=rope)
+    for r, gt, w, p in zip("qk", got, want, plain, strict=True):
+        assert (gt == w).float().mean().item() >= 0.99
+        assert torch.equal(w, p) != (which in (r, "both"))
+    with pytest.raises(ValueError, match="q_bias torch.bfloat16"):
+        qk_norm_rope_triton(**case, q_bias=[torch.zeros(hq, d + 2).bfloat16() for _ in segs],
+                            eps=1e-6, norm=norm, rope=rope)
+
+
 def test_segments_land_in_their_place_of_the_joint_sequence() -> None:
     case = _case([3, 5], 2, 2, 32, torch.float32, "pairs")
     q, k = qk_norm_rope_triton(**case, eps=1e-6, norm="rms_norm", rope="pairs")
@@ -122,7 +147,7 @@ def test_reference_is_the_rotation_it_claims(rope: str) -> None:
 def test_op_contract() -> None:
     case = _case([2, 3], 2, 1, 32, torch.bfloat16, "half", table_dtype=torch.bfloat16)
     args = (case["q"], case["k"], case["q_weight"], case["k_weight"], case["cos"], case["sin"],
-            1e-6, "cast", "half")
+            1e-6, "cast", "half", [], [])
     torch.library.opcheck(qk_norm_rope, args)
     q, k = torch.ops.kopt.qk_norm_rope(*args)
     assert q.shape == (1, 5, 2, 32) and k.shape == (1, 5, 1, 32) and q.dtype == torch.bfloat16

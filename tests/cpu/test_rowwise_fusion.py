@@ -295,7 +295,22 @@ def test_blockwise_fp8_quantizer_fuses_with_its_1x128_groups() -> None:
     (spec,) = _specs(after)
     assert spec.outputs == ("residual", "fp8_group")
     assert _count(after, group) == _count(gm, group) - 1
+    # the blockwise GEMM adds no bias: proj's bias add goes into the prologue, x + g * (y + b)
+    assert spec.residual_bias and "x + g * (y + b)" in result.details[0]
+    # of the adds (proj's bias, the residual, 1 + scale, + shift, fc's bias) only fc's is left
+    assert _count(gm, aten.add.Tensor) == 5 and _count(after, aten.add.Tensor) == 1
     _same_function(gm, after, args, tier=True)
+
+
+@pytest.mark.parametrize("config", ["fp8", "bf16"])
+def test_a_bias_the_gemm_already_adds_is_not_taken_again(config: str) -> None:
+    """Rowwise FP8 (``_scaled_mm`` adds the bias) and BF16 (``linear``): no bias add is left
+    before the gated residual, so the prologue has none."""
+    gm, args = _module_graph(AdaLN().bfloat16(), *_adaln_inputs(), config=CONFIGS[config])
+    after, _ = _fuse(gm)
+    (spec,) = _specs(after)
+    assert spec.residual and spec.gate and not spec.residual_bias
+    _same_function(gm, after, args)
 
 
 class RMSBlock(nn.Module):

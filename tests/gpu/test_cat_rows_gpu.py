@@ -27,6 +27,16 @@ def test_cat_rows_bitwise_at_joint_v_shapes(shape: tuple, dtype: torch.dtype) ->
     assert torch.equal(cat_rows_triton(xs, 1), got)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cat_rows_with_biases_bitwise_at_joint_v_shapes(shape: tuple) -> None:
+    """The blockwise FP8 recipe's V: each slice's bias added in the copy, as torch's add."""
+    xs = joint_v(*shape, dtype=torch.bfloat16, batch=2)
+    inner = xs[0].shape[2] * xs[0].shape[3]
+    biases = [torch.randn(inner, device="cuda").bfloat16() for _ in xs]
+    want = torch.cat([x + b.view(x.shape[2:]) for x, b in zip(xs, biases, strict=True)], 1)
+    assert torch.equal(torch.ops.kopt.cat_rows(xs, 1, biases), want)
+
+
 def test_cat_rows_replays_in_a_cuda_graph() -> None:
     xs = joint_v(*SHAPES[0])
     torch.ops.kopt.cat_rows(xs, 1)  # compile outside the capture

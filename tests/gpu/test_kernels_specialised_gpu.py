@@ -148,6 +148,24 @@ def test_fused_act_is_bitwise_equal_to_the_unfused_ops(activation: str, other: i
         assert _bitwise(got, act_reference(o, x, up, activation, first)) is None
 
 
+
+def test_qk_norm_rope_with_projection_biases_within_its_tolerance() -> None:
+    """W1's block with its QKV bias in the op (blockwise FP8): x + bias rounded first."""
+    case = QK_CASES[0]
+    inputs = qk_inputs(case)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for role, heads in (("q", case.q_heads), ("k", case.k_heads)):
+        inputs[f"{role}_bias"] = [torch.randn(heads, case.head_dim, device="cuda", generator=g)
+                                  .bfloat16() for _ in case.segments]
+    kw = dict(eps=1e-6, norm=case.norm, rope=case.rope)
+    got = qk_norm_rope_triton(**inputs, **kw)
+    want = qk_norm_rope_reference(**inputs, **kw)
+    exact = qk_norm_rope_reference(**{k: [t.double() for t in v] for k, v in inputs.items()},
+                                   **kw)
+    for role, gt, w, x in zip("qk", got, want, exact, strict=True):
+        err, ref_err = relative_error(gt, x), relative_error(w, x)
+        assert err <= 2 * max(ref_err, RTOL_FLOOR[gt.dtype]), (role, err, ref_err)
+
 @pytest.mark.parametrize("case", QK_CASES, ids=[c.name for c in QK_CASES])
 def test_qk_norm_rope_within_its_tolerance(case) -> None:  # noqa: ANN001
     inputs = qk_inputs(case)
@@ -170,7 +188,7 @@ def test_custom_ops_run_the_kernels_on_cuda_and_replay_in_a_cuda_graph() -> None
     kw = dict(eps=1e-6, norm=QK_CASES[0].norm, rope=QK_CASES[0].rope)
     x, up = act_inputs(ACT_CASES[2])
     args = (inputs["q"], inputs["k"], inputs["q_weight"], inputs["k_weight"], inputs["cos"],
-            inputs["sin"], kw["eps"], kw["norm"], kw["rope"])
+            inputs["sin"], kw["eps"], kw["norm"], kw["rope"], [], [])
     q_kernel, k_kernel = qk_norm_rope_triton(**inputs, **kw)
     act_kernel = act_quant_triton(x, up, "silu_mul")
 

@@ -46,7 +46,7 @@ after it stays exact.
 
 ``NATIVE`` (the kernel compiled for the GPU) is False under ``TRITON_INTERPRET=1``: there is no
 libdevice there (numpy's exp/erf instead; tanh from exp, see :func:`_tanh`), and its casts
-truncate, so the e4m3 cast is emulated on the grid (see :func:`_to_e4m3`) and bf16 rounding on
+truncate, so the e4m3 cast is emulated on the grid (see :func:`to_e4m3`) and bf16 rounding on
 the bits (:func:`round_to`); ``amax / 448`` divides there, as torch's CPU kernel does. The math
 functions still differ from torch's CPU ones in the last bit: CPU tests compare with tolerance,
 GPU tests bitwise.
@@ -154,7 +154,7 @@ def _erf(x, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(v, dt: tl.constexpr, NATIVE: tl.constexpr):
+def to_e4m3(v, dt: tl.constexpr, NATIVE: tl.constexpr):
     if NATIVE:
         return v.to(dt, fp_downcast_rounding="rtne")  # like torch's cast: nearest even
     else:
@@ -171,16 +171,14 @@ def _to_e4m3(v, dt: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.constexpr,
-                NATIVE: tl.constexpr):
-    """The activation of one chunk of a row, in fp32, rounded to ``dt`` as torch stores it."""
-    x = tl.load(x_row + cols * sxn, mask=mask, other=0.0).to(tl.float32)
+def act_values(x, up, dt: tl.constexpr, ACT: tl.constexpr, NATIVE: tl.constexpr):
+    """The activation of fp32 values ``x`` (and ``up``, SwiGLU's other half; ignored by the
+    GELUs), in fp32, rounded to ``dt`` as torch stores it."""
     if ACT == 0 or ACT == 3:
         if ACT == 0:
             silu = round_to(tl.math.div_rn(x, 1.0 + _exp(-x, NATIVE)), dt, NATIVE)
         else:  # fast: tl.exp is ex2.approx, ``/`` div.full on the GPU
             silu = round_to(x / (1.0 + tl.exp(-x)), dt, NATIVE)
-        up = tl.load(u_row + cols * sun, mask=mask, other=0.0).to(tl.float32)
         a = silu * up
     elif ACT == 1:
         # nvcc contracts torch's ``x + kKappa * x_cube`` into one fma, and nothing else.
@@ -192,6 +190,18 @@ def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.co
     else:
         a = x * 0.5 * (1.0 + _erf(x * _K_ALPHA, NATIVE))
     return round_to(a, dt, NATIVE)
+
+
+@triton.jit
+def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.constexpr,
+                NATIVE: tl.constexpr):
+    """The activation of one chunk of a row, in fp32, rounded to ``dt`` as torch stores it."""
+    x = tl.load(x_row + cols * sxn, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0 or ACT == 3:
+        up = tl.load(u_row + cols * sun, mask=mask, other=0.0).to(tl.float32)
+    else:
+        up = x
+    return act_values(x, up, dt, ACT, NATIVE)
 
 
 @triton.jit
@@ -259,7 +269,7 @@ def _act_quant_row(
     qt = q_ptr.dtype.element_ty
     if ONE_PASS:
         q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
-        tl.store(qa_row + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
+        tl.store(qa_row + cols, to_e4m3(q, qt, NATIVE), mask=mask)
     else:
         if STASH:
             tl.debug_barrier()  # the whole stash written before any thread reads it back
@@ -271,7 +281,7 @@ def _act_quant_row(
             else:
                 a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
             q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
-            tl.store(qa_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=mask)
+            tl.store(qa_row + start + cols, to_e4m3(q, qt, NATIVE), mask=mask)
         if STASH:
             tl.debug_barrier()  # read back before the next row overwrites it
     if HAS_OTHER:
@@ -279,7 +289,7 @@ def _act_quant_row(
             m = start + cols < P
             v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
             q = tl.clamp(pw_div_by(v, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
-            tl.store(qo_row + start + cols, _to_e4m3(q, qt, NATIVE), mask=m)
+            tl.store(qo_row + start + cols, to_e4m3(q, qt, NATIVE), mask=m)
 
 
 @triton.jit
@@ -351,9 +361,9 @@ def act_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     y = torch.empty((*x.shape[:-1], n + p), dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    x3 = _as_3d(x)
-    u3 = _as_3d(up) if up is not None else x3
-    o3 = _as_3d(other) if other is not None else x3
+    x3 = as_3d(x)
+    u3 = as_3d(up) if up is not None else x3
+    o3 = as_3d(other) if other is not None else x3
     block = min(triton.next_power_of_2(max(n, p, 1)), _CHUNK)
     with on_device(x):
         _act_kernel[(rows,)](
@@ -410,7 +420,7 @@ def check_args(x: torch.Tensor, up: torch.Tensor | None, activation: str) -> Non
                          "must match (no broadcasting)")
 
 
-def _as_3d(t: torch.Tensor) -> torch.Tensor:
+def as_3d(t: torch.Tensor) -> torch.Tensor:
     """[R1, R2, N] with the rows' strides kept (a view where the leading dims allow it)."""
     if t.dim() == 3:
         return t
@@ -432,9 +442,9 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scale
-    x3 = _as_3d(x)
-    u3 = _as_3d(up) if up is not None else x3
-    o3 = _as_3d(other) if other is not None else x3
+    x3 = as_3d(x)
+    u3 = as_3d(up) if up is not None else x3
+    o3 = as_3d(other) if other is not None else x3
     cfg = _config(n) if config is None else config
     if cfg["ONE_PASS"] and cfg["BLOCK"] < n:
         raise ValueError(f"a one-pass block of {cfg['BLOCK']} cannot hold rows of {n}")

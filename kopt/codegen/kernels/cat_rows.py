@@ -12,6 +12,11 @@ vectors, one launch per input, every input's rows into their place of the output
 
 A copy: bitwise the reference (``torch.cat``) on every device, any dtype (the values move as
 integers of the element's width).
+
+``biases`` (one entry per input: a vector of the ``inner`` values of a row, or None) adds a
+bias to an input's rows on the way, rounded to the dtype as torch's add: ``cat([v + b, ...])``
+where a projection's bias was left standing after its GEMM (the blockwise FP8 GEMM's; see
+:mod:`kopt.patterns.bias`). Bitwise the reference too (one add, rounded once).
 """
 
 from __future__ import annotations
@@ -45,8 +50,24 @@ def row_view(x: torch.Tensor, dim: int) -> torch.Tensor | str:
     return v
 
 
-def _fake(xs: list[torch.Tensor], dim: int) -> torch.Tensor:
+def _fake(xs: list[torch.Tensor], dim: int,
+          biases: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    _check_biases(xs, dim, biases)
     return torch.empty(_out_shape(xs, dim), dtype=xs[0].dtype, device=xs[0].device)
+
+
+def _check_biases(xs: list[torch.Tensor], dim: int,
+                  biases: list[torch.Tensor | None] | None) -> None:
+    if not biases:
+        return
+    if len(biases) != len(xs):
+        raise ValueError(f"kopt::cat_rows: {len(biases)} biases for {len(xs)} inputs")
+    dim = dim % xs[0].dim()
+    inner = math.prod(xs[0].shape[dim + 1:])
+    for i, b in enumerate(biases):
+        if b is not None and (b.dim() != 1 or b.shape[0] != inner or b.dtype != xs[i].dtype):
+            raise ValueError(f"kopt::cat_rows: bias {i} is {b.dtype}{list(b.shape)}, not one "
+                             f"{xs[i].dtype} vector of the {inner} values of a row")
 
 
 def _out_shape(xs: Sequence[torch.Tensor], dim: int) -> list[int]:
@@ -55,15 +76,22 @@ def _out_shape(xs: Sequence[torch.Tensor], dim: int) -> list[int]:
     return shape
 
 
-def _reference(xs: list[torch.Tensor], dim: int) -> torch.Tensor:
+def _reference(xs: list[torch.Tensor], dim: int,
+               biases: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    _check_biases(xs, dim, biases)
+    if biases:
+        dim = dim % xs[0].dim()
+        xs = [x if b is None else x + b.view(x.shape[dim + 1:]) for x, b in zip(xs, biases,
+                                                                              strict=True)]
     return torch.cat(xs, dim)
 
 
 @triton.jit
-def _cat_rows_kernel(x_ptr, out_ptr, rows, inner, stride_outer, stride_row, out_rows,
-                     row_offset, BLOCK: tl.constexpr):
+def _cat_rows_kernel(x_ptr, out_ptr, b_ptr, rows, inner, stride_outer, stride_row, out_rows,
+                     row_offset, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Program (r, c): chunk c of row r (r over outer x rows) of x into the output's row
-    ``row_offset + r % rows`` of the same outer index."""
+    ``row_offset + r % rows`` of the same outer index. Without a bias the values move as
+    integers; with one (``HAS_BIAS``: x and out in their float dtype) ``x + b``, rounded once."""
     r = tl.program_id(0)
     o = r // rows
     i = r % rows
@@ -71,35 +99,45 @@ def _cat_rows_kernel(x_ptr, out_ptr, rows, inner, stride_outer, stride_row, out_
     mask = col < inner
     src = x_ptr + o.to(tl.int64) * stride_outer + i.to(tl.int64) * stride_row + col
     dst = out_ptr + (o.to(tl.int64) * out_rows + row_offset + i) * inner + col
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+    if HAS_BIAS:
+        v = tl.load(src, mask=mask).to(tl.float32) + tl.load(b_ptr + col, mask=mask).to(tl.float32)
+        tl.store(dst, v.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    else:
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-def cat_rows_triton(xs: list[torch.Tensor], dim: int) -> torch.Tensor:
+def cat_rows_triton(xs: list[torch.Tensor], dim: int,
+                    biases: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """The Triton implementation (CUDA, or any device under ``TRITON_INTERPRET=1``); inputs it
-    cannot view as rows go to ``torch.cat``."""
+    cannot view as rows go to ``torch.cat`` (the reference)."""
     if not xs:
         raise ValueError("kopt::cat_rows needs at least one tensor")
+    _check_biases(xs, dim, biases)
     dim = dim % xs[0].dim()
     views = [row_view(x, dim) for x in xs]
+    float_bias = xs[0].dtype in (torch.bfloat16, torch.float16, torch.float32)
     if any(isinstance(v, str) for v in views) or len({x.dtype for x in xs}) != 1 \
-            or xs[0].element_size() not in _INT_OF_SIZE:
-        return torch.cat(xs, dim)
+            or xs[0].element_size() not in _INT_OF_SIZE \
+            or (biases and any(b is not None for b in biases) and not float_bias):
+        return _reference(xs, dim, biases)
     out = torch.empty(_out_shape(xs, dim), dtype=xs[0].dtype, device=xs[0].device)
     as_int = _INT_OF_SIZE[xs[0].element_size()]
     out_rows = out.shape[dim]
-    flat = out.view(-1).view(as_int)
+    flat = out.view(-1)
     offset = 0
     with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
-        for v in views:
+        for v, b in zip(views, biases or [None] * len(views), strict=True):
             outer, rows, inner = v.shape
             if outer * rows * inner:
                 grid = (outer * rows, triton.cdiv(inner, _BLOCK))
-                _cat_rows_kernel[grid](v.view(as_int), flat, rows, inner, v.stride(0),
-                                       v.stride(1), out_rows, offset,
-                                       BLOCK=min(_BLOCK, triton.next_power_of_2(inner)))
+                src, dst = (v, flat) if b is not None else (v.view(as_int), flat.view(as_int))
+                _cat_rows_kernel[grid](src, dst, b if b is not None else src, rows, inner,
+                                       v.stride(0), v.stride(1), out_rows, offset,
+                                       BLOCK=min(_BLOCK, triton.next_power_of_2(inner)),
+                                       HAS_BIAS=b is not None)
             offset += rows
     return out
 
 
-cat_rows = define("cat_rows", "(Tensor[] xs, int dim) -> Tensor", _reference, fake=_fake,
-                  cuda=cat_rows_triton)
+cat_rows = define("cat_rows", "(Tensor[] xs, int dim, Tensor?[]? biases=None) -> Tensor",
+                  _reference, fake=_fake, cuda=cat_rows_triton)

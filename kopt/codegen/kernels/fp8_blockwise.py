@@ -28,17 +28,29 @@ BLOCK = 128
 M_ALIGN = 16
 
 
+# the weight is upcast to fp32 at most this many bytes at a time: W1's 120 modulation linears
+# merged into one weight (2.2M x 3072) would take 27 GB in fp32 at once
+QUANT_CHUNK_BYTES = 1 << 30
+
+
 def quant_fp8_block128_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: q [N, K] e4m3, scale [N/128, K/128] fp32; N and K multiples of 128."""
+    """``(q, scale)``: q [N, K] e4m3, scale [N/128, K/128] fp32; N and K multiples of 128.
+    Quantized 128-row groups at a time (each block's scale depends on its own values only)."""
     n, k = w.shape
     if n % BLOCK or k % BLOCK:
         raise ValueError(f"blockwise FP8 needs both weight dims to be multiples of {BLOCK}, "
                          f"got {n} x {k}")
-    blocks = w.float().reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=MIN_AMAX)
-    scale = amax / E4M3_MAX
-    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(n, k)
-    return q, scale.reshape(n // BLOCK, k // BLOCK)
+    q = torch.empty((n, k), dtype=E4M3, device=w.device)
+    scale = torch.empty((n // BLOCK, k // BLOCK), dtype=torch.float32, device=w.device)
+    rows = max(BLOCK, QUANT_CHUNK_BYTES // (4 * max(k, 1)) // BLOCK * BLOCK)
+    for j in range(0, n, rows):
+        m = min(rows, n - j)
+        blocks = w[j:j + m].float().reshape(m // BLOCK, BLOCK, k // BLOCK, BLOCK)
+        amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=MIN_AMAX)
+        s = amax / E4M3_MAX
+        q[j:j + m] = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(m, k)
+        scale[j // BLOCK:(j + m) // BLOCK] = s.reshape(m // BLOCK, k // BLOCK)
+    return q, scale
 
 
 @torch.library.custom_op("kopt::quant_fp8_block128", mutates_args=())

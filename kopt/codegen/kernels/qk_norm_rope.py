@@ -15,6 +15,11 @@ For every token t, head h and head-dim position d of q (and likewise k, with its
   ``view_as_complex(y) * (cos + i sin)``, ``cos``/``sin`` with one value per pair (head_dim / 2).
 * ``"half"`` -- rotate-half (Llama, Qwen3): rot(y) = cat(-y[D/2:], y[:D/2]).
 
+With ``q_bias`` / ``k_bias`` (one ``[H, D]`` tensor per segment, or none) ``x`` is first
+``x + bias``, rounded to x's dtype: the bias of the projection before, where its GEMM does not
+add it (the blockwise FP8 GEMM's output: :mod:`kopt.patterns.bias` splits that add per q / k / v
+slice, and the rewrite takes the q and k ones here).
+
 ``norm`` says where the model rounds:
 
 * ``"rms_norm"`` -- ``aten.rms_norm``: x * rstd * w in fp32, rounded once to x's dtype.
@@ -97,10 +102,13 @@ def qk_norm_rope_reference(
     q_weight: Sequence[torch.Tensor], k_weight: Sequence[torch.Tensor],
     cos: Sequence[torch.Tensor], sin: Sequence[torch.Tensor],
     eps: float, norm: str, rope: str,
+    q_bias: Sequence[torch.Tensor] = (), k_bias: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused ops, segment by segment, concatenated along the sequence axis."""
     outs = []
-    for xs, ws in ((q, q_weight), (k, k_weight)):
+    for xs, ws, bs in ((q, q_weight, q_bias), (k, k_weight, k_bias)):
+        if bs:
+            xs = [x + b for x, b in zip(xs, bs, strict=True)]
         outs.append(torch.cat([
             _rope_reference(_norm_reference(x, w, eps, norm), c, s, rope)
             for x, w, c, s in zip(xs, ws, cos, sin, strict=True)
@@ -167,12 +175,12 @@ def _pair_members(ptr, offs, rmask, stride, D: tl.constexpr, ROWS: tl.constexpr,
 
 @triton.jit
 def _norm_rope_rows(
-    x_ptr, o_ptr, w_ptr, cos_ptr, sin_ptr,
+    x_ptr, o_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr,
     sxb, sxs, sxh, sxd, scb, scs, sch, scd, ssb, sss, ssh, ssd,
     pid, n_rows, S, H, S_OUT, SEQ_OFF, eps,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, TDIV: tl.constexpr,
     NORM_CAST: tl.constexpr, ROPE_HALF: tl.constexpr, ROUND_EACH: tl.constexpr,
-    NATIVE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
 ):
     # Row indices fit int32 (the divisions stay cheap); addresses are int64.
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -185,6 +193,10 @@ def _norm_rope_rows(
     # x = the pairs' members (xa, xb): out_a = ya cos_a - yb sin_a, out_b = yb cos_b + ya sin_b
     xa, xb = _pair_members(x_ptr, b * sxb + s * sxs + h * sxh, rmask, sxd, D, BLOCK_R, BLOCK_H,
                            ROPE_HALF)
+    if HAS_BIAS:  # [H, D] contiguous; x + bias rounded as the model's add
+        ba, bb = _pair_members(b_ptr, h * D, rmask, 1, D, BLOCK_R, BLOCK_H, ROPE_HALF)
+        xa = round_to(xa + ba, dt, NATIVE)
+        xb = round_to(xb + bb, dt, NATIVE)
     rstd = _rsqrt((tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)) * (1.0 / D) + eps, NATIVE)
     one = tl.zeros((1,), dtype=tl.int64)
     wa, wb = _pair_members(w_ptr, one, one == 0, 1, D, 1, BLOCK_H, ROPE_HALF)
@@ -226,27 +238,29 @@ def _norm_rope_rows(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, qb_ptr, kb_ptr, cos_ptr, sin_ptr,
     sqb, sqs, sqh, sqd, skb, sks, skh, skd,
     scb, scs, sch, scd, ssb, sss, ssh, ssd,
     S, HQ, HK, S_OUT, SEQ_OFF, eps, q_programs, n_q_rows, n_k_rows,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, TDIV: tl.constexpr,
     NORM_CAST: tl.constexpr, ROPE_HALF: tl.constexpr, ROUND_EACH: tl.constexpr,
-    NATIVE: tl.constexpr,
+    HAS_QB: tl.constexpr, HAS_KB: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One program normalises and rotates BLOCK_R (token, head) rows of q or of k; the first
     ``q_programs`` programs take q, the rest k. See the module docstring for the math."""
     pid = tl.program_id(0)
     if pid < q_programs:
-        _norm_rope_rows(q_ptr, qo_ptr, qw_ptr, cos_ptr, sin_ptr,
+        _norm_rope_rows(q_ptr, qo_ptr, qw_ptr, qb_ptr, cos_ptr, sin_ptr,
                         sqb, sqs, sqh, sqd, scb, scs, sch, scd, ssb, sss, ssh, ssd,
                         pid, n_q_rows, S, HQ, S_OUT, SEQ_OFF, eps,
-                        D, BLOCK_H, BLOCK_R, TDIV, NORM_CAST, ROPE_HALF, ROUND_EACH, NATIVE)
+                        D, BLOCK_H, BLOCK_R, TDIV, NORM_CAST, ROPE_HALF, ROUND_EACH, HAS_QB,
+                        NATIVE)
     else:
-        _norm_rope_rows(k_ptr, ko_ptr, kw_ptr, cos_ptr, sin_ptr,
+        _norm_rope_rows(k_ptr, ko_ptr, kw_ptr, kb_ptr, cos_ptr, sin_ptr,
                         skb, sks, skh, skd, scb, scs, sch, scd, ssb, sss, ssh, ssd,
                         pid - q_programs, n_k_rows, S, HK, S_OUT, SEQ_OFF, eps,
-                        D, BLOCK_H, BLOCK_R, TDIV, NORM_CAST, ROPE_HALF, ROUND_EACH, NATIVE)
+                        D, BLOCK_H, BLOCK_R, TDIV, NORM_CAST, ROPE_HALF, ROUND_EACH, HAS_KB,
+                        NATIVE)
 
 
 def native(kernel: object, x: torch.Tensor) -> bool:
@@ -276,6 +290,7 @@ def check_args(
     q: Sequence[torch.Tensor], k: Sequence[torch.Tensor],
     q_weight: Sequence[torch.Tensor], k_weight: Sequence[torch.Tensor],
     cos: Sequence[torch.Tensor], sin: Sequence[torch.Tensor], norm: str, rope: str,
+    q_bias: Sequence[torch.Tensor] = (), k_bias: Sequence[torch.Tensor] = (),
 ) -> None:
     """Shape and dtype contract shared by the fake, the reference and the kernel."""
     if norm not in NORMS or rope not in ROPES:
@@ -312,6 +327,13 @@ def check_args(
         if rope == "complex" and not (cos[i].dtype == sin[i].dtype and
                                       cos[i].dtype in (torch.float32, torch.float64)):
             raise ValueError("complex rotation tables must be fp32/fp64 real and imaginary parts")
+    for name, biases, xs in (("q_bias", q_bias, q), ("k_bias", k_bias, k)):
+        if biases and len(biases) != n:
+            raise ValueError(f"{name} needs one [heads, head_dim] tensor per segment, or none")
+        for i, bias in enumerate(biases):
+            if tuple(bias.shape) != tuple(xs[i].shape[2:]) or bias.dtype != xs[i].dtype:
+                raise ValueError(f"segment {i}: {name} {bias.dtype}{list(bias.shape)} must be "
+                                 f"{xs[i].dtype}{list(xs[i].shape[2:])}")
 
 
 def qk_norm_rope_triton(
@@ -319,9 +341,10 @@ def qk_norm_rope_triton(
     q_weight: Sequence[torch.Tensor], k_weight: Sequence[torch.Tensor],
     cos: Sequence[torch.Tensor], sin: Sequence[torch.Tensor],
     eps: float, norm: str, rope: str,
+    q_bias: Sequence[torch.Tensor] = (), k_bias: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``)."""
-    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope)
+    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope, q_bias, k_bias)
     if q[0].dtype not in KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {q[0].dtype}")
     if norm == "cast" and any(w.dtype != q[0].dtype for w in (*q_weight, *k_weight)):
@@ -334,7 +357,10 @@ def qk_norm_rope_triton(
     k_out = torch.empty((b, s_out, hk, d), dtype=dtype, device=device)
     cfg = _config(d)
     offset = 0
-    for qs, ks, qw, kw, c, sn in zip(q, k, q_weight, k_weight, cos, sin, strict=True):
+    qbs = [b.contiguous() for b in q_bias] if q_bias else [None] * len(q)
+    kbs = [b.contiguous() for b in k_bias] if k_bias else [None] * len(q)
+    for qs, ks, qw, kw, qb, kb, c, sn in zip(q, k, q_weight, k_weight, qbs, kbs, cos, sin,
+                                             strict=True):
         seq = qs.shape[1]
         if seq == 0 or b == 0:
             continue
@@ -344,12 +370,14 @@ def qk_norm_rope_triton(
         grid = (q_programs + triton.cdiv(n_k, cfg["BLOCK_R"]),)
         with on_device(qs):
             _qk_norm_rope_kernel[grid](
-                qs, ks, q_out, k_out, qw, kw, c, sn,
+                qs, ks, q_out, k_out, qw, kw, qb if qb is not None else qw,
+                kb if kb is not None else kw, c, sn,
                 *qs.stride(), *ks.stride(), *_broadcast_strides(c), *_broadcast_strides(sn),
                 seq, hq, hk, s_out, offset, float(eps), q_programs, n_q, n_k,
                 D=d, BLOCK_H=cfg["BLOCK_H"], BLOCK_R=cfg["BLOCK_R"], TDIV=d // c.shape[3],
                 NORM_CAST=norm == "cast", ROPE_HALF=rope == "half",
                 ROUND_EACH=bool(round_each and rope != "complex"),
+                HAS_QB=qb is not None, HAS_KB=kb is not None,
                 NATIVE=native(_qk_norm_rope_kernel, qs), num_warps=cfg["num_warps"],
                 # Eager runs x*cos, rot*sin and their sum as separate kernels: no fma.
                 enable_fp_fusion=False,
@@ -366,30 +394,36 @@ def _qk_norm_rope_reference(
     q_weight: list[torch.Tensor], k_weight: list[torch.Tensor],
     cos: list[torch.Tensor], sin: list[torch.Tensor],
     eps: float, norm: str, rope: str,
+    q_bias: list[torch.Tensor] = (), k_bias: list[torch.Tensor] = (),  # type: ignore[assignment]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope)
-    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope)
+    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope, q_bias, k_bias)
+    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope, q_bias,
+                                  k_bias)
 
 
 def _qk_norm_rope_cuda(
     q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor],
     k_weight: list[torch.Tensor], cos: list[torch.Tensor], sin: list[torch.Tensor],
     eps: float, norm: str, rope: str,
+    q_bias: list[torch.Tensor] = (), k_bias: list[torch.Tensor] = (),  # type: ignore[assignment]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     weights_ok = norm != "cast" or all(w.dtype == q[0].dtype for w in (*q_weight, *k_weight))
     if q[0].dtype in KERNEL_DTYPES and weights_ok:
-        return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, norm, rope)
+        return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, norm, rope, q_bias,
+                                   k_bias)
     # fp64 (verification's reference run) and mixed dtypes: the reference.
-    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope)
-    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope)
+    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope, q_bias, k_bias)
+    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope, q_bias,
+                                  k_bias)
 
 
 def _qk_norm_rope_fake(
     q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor],
     k_weight: list[torch.Tensor], cos: list[torch.Tensor], sin: list[torch.Tensor],
     eps: float, norm: str, rope: str,
+    q_bias: list[torch.Tensor] = (), k_bias: list[torch.Tensor] = (),  # type: ignore[assignment]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope)
+    check_args(q, k, q_weight, k_weight, cos, sin, norm, rope, q_bias, k_bias)
     b, _, hq, d = q[0].shape
     s_out = sum(t.shape[1] for t in q)
     return (q[0].new_empty((b, s_out, hq, d)), k[0].new_empty((b, s_out, k[0].shape[2], d)))
@@ -397,14 +431,18 @@ def _qk_norm_rope_fake(
 
 qk_norm_rope = define(
     "qk_norm_rope", "(Tensor[] q, Tensor[] k, Tensor[] q_weight, Tensor[] k_weight, Tensor[] cos, "
-    "Tensor[] sin, float eps, str norm, str rope) -> (Tensor, Tensor)",
+    "Tensor[] sin, float eps, str norm, str rope, Tensor[] q_bias, Tensor[] k_bias) -> "
+    "(Tensor, Tensor)",
     _qk_norm_rope_reference, fake=_qk_norm_rope_fake, cuda=_qk_norm_rope_cuda)
 
 
 @fp64_reference(torch.ops.kopt.qk_norm_rope.default)
 def _qk_norm_rope64(q: list[torch.Tensor], k: list[torch.Tensor], q_weight: list[torch.Tensor],
                     k_weight: list[torch.Tensor], cos: list[torch.Tensor],
-                    sin: list[torch.Tensor], eps: float, norm: str,
-                    rope: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    sin: list[torch.Tensor], eps: float, norm: str, rope: str,
+                    q_bias: list[torch.Tensor] = (),  # type: ignore[assignment]
+                    k_bias: list[torch.Tensor] = ()  # type: ignore[assignment]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     # With every operand in fp64 the reference's casts are no-ops: the exact math.
-    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope)
+    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, norm, rope, q_bias,
+                                  k_bias)
