@@ -1,5 +1,5 @@
 """Specialised fused kernels at the W1/W2 (and W3) shapes: QK RMSNorm + RoPE, activation + FP8
-quantization.
+quantization (per token, and the blockwise recipe's bias + activation + 1x128 groups).
 
     python benchmarks/kernels_specialised.py --out kernels_specialised.json  # on the GPU
 
@@ -28,6 +28,10 @@ import triton
 from triton.testing import do_bench
 
 from kopt.codegen.kernels.act_quant import FAST, act_quant_reference, act_quant_triton
+from kopt.codegen.kernels.act_quant_group import (
+    act_quant_group_reference,
+    act_quant_group_triton,
+)
 from kopt.codegen.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
 
 
@@ -75,6 +79,17 @@ ACT_CASES = (
     ActCase("W2 text FF, SwiGLU fast", 512, 18432, "silu_mul:fast"),
     ActCase("W3 Qwen3-8B prefill, SwiGLU fast", 2048, 12288, "silu_mul:fast"),
 )
+
+
+# the blockwise recipe's act + quant (kopt::act_quant_fp8_group): W1's GELU takes its bias
+GROUP_CASES = (
+    ActCase("W1 image MLP, bias + GELU(tanh) fast, 1x128", 4096, 12288, "gelu_tanh:fast"),
+    ActCase("W1 image MLP, bias + GELU(tanh), 1x128", 4096, 12288, "gelu_tanh"),
+    ActCase("W2 image FF, SwiGLU fast, 1x128", 4096, 18432, "silu_mul:fast"),
+)
+GROUP_CONFIGS = [(b, r, w) for b, r in ((128, 16), (256, 8), (256, 16), (512, 4), (512, 8),
+                                         (1024, 2), (1024, 4), (2048, 1), (2048, 2))
+                 for w in (4, 8)]
 
 
 def qk_inputs(case: QKCase, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -212,6 +227,33 @@ def act_configs(n: int) -> list[dict[str, int]]:
     return out
 
 
+def bench_act_group(case: ActCase, sweep: bool = False) -> Row:
+    """kopt::act_quant_fp8_group (with a bias before a GELU, as on W1) against the unfused ops
+    and Inductor's fusion of them; bytes: x (and up) and the bias read, e4m3 values and the
+    1x128 scales written."""
+    x, up = act_inputs(case)
+    bias = None if up is not None else torch.randn(x.shape[-1], device="cuda").to(x.dtype)
+    rows, n = x.numel() // x.shape[-1], x.shape[-1]
+    nbytes = act_bytes(x, up) - 4 * rows + 4 * rows * -(-n // 128) + (
+        bias.numel() * bias.element_size() if bias is not None else 0)
+    exact = case.activation.removesuffix(FAST)
+    inductor, note = _inductor_us(act_quant_group_reference, x, up, exact, bias)
+    row = Row("act_quant_group", case.name, nbytes,
+              fused_us=_us(lambda: act_quant_group_triton(x, up, case.activation, bias)),
+              eager_us=_us(lambda: act_quant_group_reference(x, up, exact, bias)),
+              inductor_us=inductor, copy_us=_copy_us(nbytes), inductor_note=note)
+    if sweep:
+        for b, r, w in GROUP_CONFIGS:
+            try:
+                row.configs_us[f"{b} x {r} rows, {w}w"] = _us(
+                    lambda c=(b, r, w): act_quant_group_triton(x, up, case.activation, bias,
+                                                               config=c))
+            except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
+                row.configs_us[f"{b} x {r} rows, {w}w"] = float("nan")
+                print(f"{case.name} {(b, r, w)}: {type(exc).__name__}")
+    return row
+
+
 def bench_act(case: ActCase, sweep: bool = False) -> Row:
     x, up = act_inputs(case)
     nbytes = act_bytes(x, up)
@@ -233,7 +275,7 @@ def bench_act(case: ActCase, sweep: bool = False) -> Row:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the rows as JSON here")
-    p.add_argument("--only", choices=["qk", "act"], help="one kernel family")
+    p.add_argument("--only", choices=["qk", "act", "act_group"], help="one kernel family")
     p.add_argument("--sweep", action="store_true", help="also time every act+quant config")
     p.add_argument("--cases", default="", help="substring filter on case names")
     args = p.parse_args()
@@ -244,6 +286,8 @@ def main() -> None:
         rows += [bench_qk(c) for c in QK_CASES if args.cases in c.name]
     if args.only in (None, "act"):
         rows += [bench_act(c, args.sweep) for c in ACT_CASES if args.cases in c.name]
+    if args.only in (None, "act_group"):
+        rows += [bench_act_group(c, args.sweep) for c in GROUP_CASES if args.cases in c.name]
     print(f"{'kernel':<14} {'case':<38} {'MB':>7} {'fused us':>9} {'eager us':>9} "
           f"{'inductor':>9} {'GB/s':>6} {'copy GB/s':>9} {'% copy':>6} {'x eager':>7} "
           f"{'x ind.':>6}")
