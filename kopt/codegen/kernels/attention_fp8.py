@@ -36,8 +36,6 @@ MMAs (FA3's warp specialization) to win.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -281,10 +279,6 @@ def attention_fp8_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
             QK_FP8=qk == "fp8", EVEN_N=skv % block_n == 0,
             NATIVE=native(_attention_fp8_kernel, q), num_warps=warps, num_stages=stages)
     return out
-
-
-def default_scale(d: int) -> float:
-    return 1.0 / math.sqrt(d)
 
 
 attention_fp8 = define(
