@@ -12,6 +12,7 @@ from kopt.graph.deps import (
 )
 from kopt.graph.query import (
     attr,
+    bias_add_operands,
     compact_paths,
     describe_node,
     fake_mode_of,
@@ -37,6 +38,7 @@ from kopt.graph.splice import (
 __all__ = [
     "add_constant",
     "attr",
+    "bias_add_operands",
     "compact_paths",
     "describe_node",
     "constant_nodes",

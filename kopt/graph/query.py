@@ -21,6 +21,23 @@ def is_tensor_node(node: Any) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def bias_add_operands(node: Any) -> tuple[fx.Node, fx.Node] | None:
+    """``(y, b)`` if ``node`` is ``aten.add(y, b)`` (either order) with ``b`` one vector of the
+    last dim and ``y`` of the sum's shape and dtype: a bias added over the features."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target is torch.ops.aten.add.Tensor and len(node.args) == 2
+            and not node.kwargs and is_tensor_node(node)):
+        return None
+    out = node.meta["val"]
+    for y, b in (node.args, node.args[::-1]):
+        if is_tensor_node(y) and is_tensor_node(b):
+            yv, bv = y.meta["val"], b.meta["val"]
+            if bv.dim() == 1 and out.dim() >= 1 and bv.shape[0] == out.shape[-1] \
+                    and yv.shape == out.shape and bv.dtype == yv.dtype == out.dtype:
+                return y, b
+    return None
+
+
 def tensor_meta(node: fx.Node) -> torch.Tensor:
     """The fake tensor of ``node``; raises if the node does not produce exactly one tensor."""
     value = node.meta.get("val")

@@ -30,6 +30,7 @@ import torch
 from torch import fx
 
 from kopt.codegen.kernels.cat_rows import cat_rows, row_view
+from kopt.graph import bias_add_operands
 from kopt.graph.splice import infer_meta
 from kopt.passes.base import NodeSitePass
 from kopt.patterns.core import exact
@@ -60,25 +61,16 @@ def _biased(t: fx.Node, dim: int) -> tuple[fx.Node, fx.Node] | None:
     if t.op != "call_function" or t.target not in _VIEWS or len(t.users) != 1:
         return None
     add = t.args[0]
-    if not (isinstance(add, fx.Node) and add.target is aten.add.Tensor and len(add.args) == 2
-            and not add.kwargs and len(add.users) == 1):
-        return None
+    found = bias_add_operands(add)
     tv = t.meta["val"]
-    inner = math.prod(tv.shape[dim + 1:])
-    for p, b in (add.args, add.args[::-1]):
-        if not (isinstance(p, fx.Node) and isinstance(b, fx.Node)):
-            continue
-        pv, bv = p.meta.get("val"), b.meta.get("val")
-        if not (isinstance(pv, torch.Tensor) and isinstance(bv, torch.Tensor)):
-            continue
-        if bv.dim() == 1 and bv.shape[0] == inner and pv.shape == add.meta["val"].shape \
-                and bv.dtype == pv.dtype == tv.dtype and pv.shape[-1] == inner:
-            try:
-                view = pv.view(tv.shape)  # a fake tensor: strides only
-            except (RuntimeError, ValueError):
-                return None
-            return (p, b) if not isinstance(row_view(view, dim), str) else None
-    return None
+    if found is None or len(add.users) != 1 \
+            or add.meta["val"].shape[-1] != math.prod(tv.shape[dim + 1:]):
+        return None  # (the bias must be one vector of a row's values after the cat dim)
+    try:
+        view = found[0].meta["val"].view(tv.shape)  # a fake tensor: strides only
+    except (RuntimeError, ValueError):
+        return None
+    return found if not isinstance(row_view(view, dim), str) else None
 
 
 def cat_site(node: fx.Node) -> _Site | str | None:

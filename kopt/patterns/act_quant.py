@@ -35,7 +35,14 @@ import kopt.codegen.kernels.act_quant  # noqa: F401 -- registers kopt::act_quant
 import kopt.codegen.kernels.act_quant_group  # noqa: F401 -- registers kopt::act_quant_fp8_group
 import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers kopt::quant_fp8_rowwise
 from kopt.codegen.kernels.act_quant import FAST, FAST_ACTIVATIONS, KERNEL_DTYPES
-from kopt.graph import constant_nodes, describe_node, infer_meta, op_name, tensor_meta
+from kopt.graph import (
+    bias_add_operands,
+    constant_nodes,
+    describe_node,
+    infer_meta,
+    op_name,
+    tensor_meta,
+)
 from kopt.passes.config import ACTIVATION_MATHS
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, exact, tolerance
 
@@ -68,14 +75,9 @@ def _activation(act: fx.Node) -> tuple[str, fx.Node, fx.Node | None, fx.Node | N
 
 def _bias_add(x: fx.Node, consts: set[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
     """``(y, b)`` if ``x`` is ``y + b`` with ``b`` a load-time vector of x's features."""
-    if not (_is(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs):
-        return None
-    for y, b in (x.args, x.args[::-1]):
-        if isinstance(y, fx.Node) and isinstance(b, fx.Node) and b in consts \
-                and y not in consts and tuple(tensor_meta(b).shape) == \
-                tuple(tensor_meta(x).shape[-1:]) and tensor_meta(y).shape == tensor_meta(x).shape:
-            return y, b
-    return None
+    found = bias_add_operands(x)
+    return found if found is not None and found[1] in consts and found[0] not in consts \
+        else None
 
 
 def find_act_quant(gm: fx.GraphModule) -> Iterator[Match | Rejection]:

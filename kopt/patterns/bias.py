@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx
 
-from kopt.graph import constant_nodes, infer_meta, tensor_meta
+from kopt.graph import bias_add_operands, constant_nodes, infer_meta, tensor_meta
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, exact, tolerance
 
 aten = torch.ops.aten
@@ -94,22 +94,9 @@ SPLIT_NAME = "split_bias_add"
 _SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 
 
-def _vector_and_tile(add: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """``(y, b)`` of ``add = y + b`` with ``b`` one vector of y's last dim, y the add's shape."""
-    if add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
-        return None
-    for y, b in (add.args, add.args[::-1]):
-        if isinstance(y, fx.Node) and isinstance(b, fx.Node):
-            yv, bv, av = tensor_meta(y), tensor_meta(b), tensor_meta(add)
-            if bv.dim() == 1 and yv.shape == av.shape and bv.shape[0] == av.shape[-1] \
-                    and yv.dtype == bv.dtype == av.dtype:
-                return y, b
-    return None
-
-
 def find_split_bias_adds(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
     for add in gm.graph.nodes:
-        found = _vector_and_tile(add)
+        found = bias_add_operands(add)
         if found is None or len(add.users) != 1:
             continue
         split = next(iter(add.users))

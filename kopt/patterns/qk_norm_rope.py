@@ -32,7 +32,14 @@ import torch
 from torch import fx
 
 from kopt.codegen.kernels import qk_norm_rope as kernel
-from kopt.graph import describe_node, fake_mode_of, infer_meta, op_name, tensor_meta
+from kopt.graph import (
+    bias_add_operands,
+    describe_node,
+    fake_mode_of,
+    infer_meta,
+    op_name,
+    tensor_meta,
+)
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
 
 aten = torch.ops.aten
@@ -331,18 +338,11 @@ def _bind_biases(unit: _Unit) -> _Unit:
     for seg in unit.segments:
         x = seg.x
         add = x.args[0] if _is(x, *_VIEWS, aten._unsafe_view.default) else None
-        if not (_is(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs
-                and len(add.users) == 1):
-            return unit
-        heads_dim = _val(x).shape[2] * _val(x).shape[3]
-        for pre, bias in (add.args, add.args[::-1]):
-            if isinstance(pre, fx.Node) and isinstance(bias, fx.Node) \
-                    and _val(bias).dim() == 1 and _val(bias).shape[0] == heads_dim \
-                    and _val(pre).shape == _val(add).shape and _val(bias).dtype == _val(x).dtype:
-                found.append((pre, bias, [x, add]))
-                break
-        else:
-            return unit
+        operands = bias_add_operands(add)
+        if operands is None or len(add.users) != 1 \
+                or _val(add).shape[-1] != _val(x).shape[2] * _val(x).shape[3]:
+            return unit  # (the view must split the features into the heads)
+        found.append((*operands, [x, add]))
     for seg, (pre, bias, nodes) in zip(unit.segments, found, strict=True):
         seg.pre, seg.bias = pre, bias
         unit.nodes += nodes

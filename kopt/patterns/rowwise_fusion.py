@@ -54,6 +54,7 @@ from kopt.codegen.kernels.quant_fp8 import MAX_COLS
 from kopt.codegen.pointwise import DTYPE_NAMES, PointwiseProgram, try_from_fx
 from kopt.codegen.rowwise import EPILOGUE_INPUT, INTERMEDIATES, RowwiseError, RowwiseSpec
 from kopt.graph import (
+    bias_add_operands,
     constant_nodes,
     describe_node,
     fake_mode_of,
@@ -274,15 +275,9 @@ def _add_residual(site: Site) -> Site | _Miss:
 def _bias_before(site: Site, reader: fx.Node) -> Site:
     """Bind ``y = y0 + b`` (``b`` one vector of the features, the add read only by ``reader``):
     a GEMM's bias its epilogue did not add (the blockwise FP8 GEMM's) goes into the prologue."""
-    y = site.y
-    if not (_is(y, aten.add.Tensor) and len(y.args) == 2 and not y.kwargs
-            and set(y.users) == {reader}):
-        return site
-    main = _shape(y)
-    for y0, b in (y.args, y.args[::-1]):
-        if _is_tile(y0, main) and is_tensor_node(b) and _shape(b) == main[-1:]:
-            site.y, site.rbias, site.bias_add = y0, b, y
-            break
+    found = bias_add_operands(site.y)
+    if found is not None and set(site.y.users) == {reader}:
+        site.y, site.rbias, site.bias_add = found[0], found[1], site.y
     return site
 
 

@@ -46,6 +46,7 @@ from kopt.codegen.kernels.act_quant import (
     activation_reference,
     as_3d,
     check_args,
+    check_other,
 )
 from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
 from kopt.codegen.kernels.quant_fp8 import (
@@ -64,12 +65,6 @@ from kopt.codegen.pointwise import pw_div_by, pw_div_const, pw_recip
 # 119.8 us against 100.1 and 150.9 for 1024 x 4 rows (benchmarks/RESULTS.md session 12).
 _BLOCK = 2048
 _ELEMS = 2048
-
-
-def check_bias(bias: torch.Tensor | None, x: torch.Tensor) -> None:
-    if bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype):
-        raise ValueError(f"the bias must be one {x.dtype} vector of the {x.shape[-1]} features, "
-                         f"got {bias.dtype}{list(bias.shape)}")
 
 
 def act_quant_group_reference(x: torch.Tensor, up: torch.Tensor | None, activation: str,
@@ -161,13 +156,18 @@ def _config(n: int, rows: int, first: int | None = None) -> tuple[int, int, int]
     return block, rows_per, 4 if block * rows_per <= 4096 else 8
 
 
-def check_other(other: torch.Tensor | None, x: torch.Tensor, other_first: bool) -> None:
+def check_operands(x: torch.Tensor, up: torch.Tensor | None, activation: str,
+                   bias: torch.Tensor | None, other: torch.Tensor | None,
+                   other_first: bool) -> None:
+    """The op's contract: the act + quant kernel's, a bias of the features, and a concatenated
+    tensor whose first part holds whole groups."""
+    check_args(x, up, activation)
+    if bias is not None and (bias.shape != x.shape[-1:] or bias.dtype != x.dtype):
+        raise ValueError(f"the bias must be one {x.dtype} vector of the {x.shape[-1]} features, "
+                         f"got {bias.dtype}{list(bias.shape)}")
     if other is None:
         return
-    if other.dtype != x.dtype or other.shape[:-1] != x.shape[:-1]:
-        raise ValueError(f"the tensor concatenated with the activation, {other.dtype}"
-                         f"{list(other.shape)}, must have the activation's dtype and rows "
-                         f"({x.dtype}{list(x.shape[:-1])})")
+    check_other(other, x)
     first = other.shape[-1] if other_first else x.shape[-1]
     if first % GROUP:
         raise ValueError(f"the concatenation's first part is {first} wide, not a multiple of "
@@ -181,9 +181,7 @@ def act_quant_group_triton(x: torch.Tensor, up: torch.Tensor | None, activation:
     """Launch the kernel (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``config``
     ``(BLOCK, ROWS, num_warps)`` overrides :func:`_config` (benchmarks sweep it). ``other``:
     the rows quantized are ``cat([other, act])`` (``[act, other]`` unless ``other_first``)."""
-    check_args(x, up, activation)
-    check_bias(bias, x)
-    check_other(other, x, other_first)
+    check_operands(x, up, activation, bias, other, other_first)
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {x.dtype}")
     n, rows = x.shape[-1], math.prod(x.shape[:-1])
@@ -216,9 +214,7 @@ def act_quant_group_triton(x: torch.Tensor, up: torch.Tensor | None, activation:
 def _reference(x: torch.Tensor, up: torch.Tensor | None, activation: str,
                bias: torch.Tensor | None, other: torch.Tensor | None, other_first: bool
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_args(x, up, activation)
-    check_bias(bias, x)
-    check_other(other, x, other_first)
+    check_operands(x, up, activation, bias, other, other_first)
     return act_quant_group_reference(x, up, activation, bias, other, other_first)
 
 
@@ -233,9 +229,7 @@ def _cuda(x: torch.Tensor, up: torch.Tensor | None, activation: str,
 def _fake(x: torch.Tensor, up: torch.Tensor | None, activation: str,
           bias: torch.Tensor | None, other: torch.Tensor | None, other_first: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_args(x, up, activation)
-    check_bias(bias, x)
-    check_other(other, x, other_first)
+    check_operands(x, up, activation, bias, other, other_first)
     rows = math.prod(x.shape[:-1])
     n = x.shape[-1] + (other.shape[-1] if other is not None else 0)
     return (torch.empty((rows, n), dtype=E4M3, device=x.device),
