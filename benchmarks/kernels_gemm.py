@@ -4,6 +4,7 @@ ops vs ``torch.compile`` of those same ops.
 
     python -m benchmarks.kernels_gemm --out gemm.json           # from the repo root, on the GPU
     python -m benchmarks.kernels_gemm --only W1 --bf16 --precise --out gemm.json
+    python -m benchmarks.kernels_gemm --sweep --out sweep.json   # every tile config, untuned
 
 Shapes come from diffusers' transformer_qwenimage.py / transformer_flux2.py at 1024x1024, batch 1:
 - W1 Qwen-Image: dim 3072 (24 heads x 128), 4096 image + 128 text tokens, separate image/text
@@ -185,7 +186,7 @@ def bench_case(c: Case, args: argparse.Namespace, g: torch.Generator) -> dict:
         row["kopt_bf16_tflops"] = tflops(row["kopt_bf16_ms"])
         row["torch_bf16_tflops"] = tflops(row["torch_bf16_ms"])
 
-    if c.epilogue != "none":
+    if c.epilogue != "none" and args.epilogues:
         fused = lambda s: torch.ops.kopt.fp8_gemm(s.a, s.b, s.sa, s.sb, s.bias, s.gate, s.res,
                                                   act, BF16)
         eager = lambda s: unfused(s.a, s.b, s.sa, s.sb, s.bias, s.gate, s.res, act)
@@ -210,6 +211,69 @@ def bench_case(c: Case, args: argparse.Namespace, g: torch.Generator) -> dict:
     return row
 
 
+def sweep_configs(m: int) -> list:
+    """Every FP8 tile config worth timing at M rows: the default lists of every bucket, each
+    also persistent, and deeper pipelines for the small tiles."""
+    from kopt.codegen.gemm import gemm_config
+
+    base = {(64, 64, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4), (128, 64, 128, 8, 4, 4),
+            (128, 128, 128, 8, 4, 8), (64, 256, 128, 8, 4, 4), (128, 256, 128, 8, 3, 8),
+            (64, 64, 128, 8, 6, 4), (128, 64, 128, 8, 6, 4), (64, 32, 128, 8, 6, 4)}
+    if m > 1024:
+        base = {(128, 256, 128, 8, 3, 8), (128, 256, 128, 8, 4, 8), (256, 128, 128, 8, 3, 8),
+                (256, 128, 128, 8, 4, 8), (128, 128, 128, 8, 4, 4), (128, 128, 128, 8, 5, 8),
+                (128, 256, 64, 8, 5, 8), (128, 128, 128, 8, 4, 8)}
+    elif m <= 64:
+        base |= {(64, bn, 128, 1, s, 4) for bn in (32, 64, 128) for s in (4, 6)}
+    return [gemm_config(*c, persistent=p) for c in sorted(base) for p in (False, True)]
+
+
+def sweep_case(c: Case, g: torch.Generator) -> dict:
+    """The plain FP8 GEMM timed at every config of :func:`sweep_configs`, against
+    ``_scaled_mm`` in the same process."""
+    sets = [make_inputs(c, g) for _ in range(n_sets(c))]
+    lib = lambda s: torch._scaled_mm(s.a, s.b, s.sa, s.sb, bias=s.bias, out_dtype=BF16)
+    row: dict = {**asdict(c), "input_sets": len(sets), "scaled_mm_ms": time_ms(lib, sets, True)}
+    exact = gemm_reference(sets[0].a, sets[0].b, sets[0].sa, sets[0].sb, sets[0].bias, None,
+                           None, upcast=True)
+    timed = []
+    for cfg in sweep_configs(c.m):
+        run = lambda s, cfg=cfg: gemm(s.a, s.b, s.sa, s.sb, s.bias, configs=[cfg])
+        try:
+            ms = time_ms(run, sets, True)
+            err = relative_error(run(sets[0]), exact)
+        except Exception as e:  # noqa: BLE001 -- a config the compiler refuses: recorded
+            timed.append({"config": str(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        timed.append({"config": str(cfg), "ms": ms, "err": err})
+    row["configs"] = sorted(timed, key=lambda t: t.get("ms", float("inf")))
+    best = row["configs"][0]
+    row["best_ms"], row["best_config"] = best.get("ms"), best["config"]
+    if row["best_ms"]:
+        row["best_over_scaled_mm"] = row["best_ms"] / row["scaled_mm_ms"]
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def print_sweep(rows: list[dict], top: int = 4) -> None:
+    for r in rows:
+        print(f"\n{r['workload']} {r['name']} ({r['m']} x {r['n']} x {r['k']}): _scaled_mm "
+              f"{r['scaled_mm_ms'] * 1e3:.1f} us")
+        for t in r["configs"][:top]:
+            if "ms" in t:
+                print(f"  {t['ms'] * 1e3:8.1f} us  {t['ms'] / r['scaled_mm_ms']:5.3f}x  "
+                      f"err {t['err']:.1e}  {t['config']}")
+        failed = [t for t in r["configs"] if "error" in t]
+        if failed:
+            print(f"  {len(failed)} configs failed, e.g. {failed[0]['error']}")
+    print(f"\n{'case':<26} {'_s_mm us':>8} {'best us':>8} {'ratio':>6}  best config")
+    for r in rows:
+        print(f"{r['workload'] + ' ' + r['name']:<26} {r['scaled_mm_ms'] * 1e3:8.1f} "
+              f"{(r['best_ms'] or 0) * 1e3:8.1f} {r.get('best_over_scaled_mm', 0):6.3f}  "
+              f"{r['best_config']}")
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'case':<26} {'M':>5} {'N':>6} {'K':>6} {'kopt ms':>8} {'_s_mm ms':>8} "
           f"{'ratio':>6} {'kopt TF':>7} {'torch TF':>8} {'err k/t':>17}")
@@ -218,7 +282,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['kopt_ms']:8.3f} {r['scaled_mm_ms']:8.3f} {r['kopt_over_scaled_mm']:6.3f} "
               f"{r['kopt_tflops']:7.0f} {r['scaled_mm_tflops']:8.0f} "
               f"{r['kopt_err']:.1e}/{r['scaled_mm_err']:.1e}")
-    epi = [r for r in rows if r["epilogue"] != "none"]
+    epi = [r for r in rows if "fused_ms" in r]
     if epi:
         print(f"\n{'fused epilogue':<26} {'epilogue':>13} {'fused ms':>8} {'eager ms':>8} "
               f"{'compile ms':>10} {'eager/fused':>11} {'compile/fused':>13}")
@@ -247,6 +311,11 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="also kopt bf16_gemm vs F.linear")
     p.add_argument("--precise", action="store_true",
                    help="also FP8 with per-K-tile fp32 promotion (fp8_fast_accum=False)")
+    p.add_argument("--no-epilogues", dest="epilogues", action="store_false",
+                   help="time the plain GEMM only (no fused-epilogue columns)")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the plain FP8 GEMM at every candidate tile config instead "
+                        "(no autotuning; the epilogue columns are skipped)")
     args = p.parse_args()
     cases = [c for c in CASES if (not args.only or c.workload == args.only)
              and (not args.case or any(s in c.name for s in args.case))]
@@ -254,8 +323,8 @@ def main() -> None:
     rows = []
     for c in cases:
         print(f"{c.workload} {c.name} ({c.m} x {c.n} x {c.k}, {c.epilogue}) ...", flush=True)
-        rows.append(bench_case(c, args, g))
-    print_table(rows)
+        rows.append(sweep_case(c, g) if args.sweep else bench_case(c, args, g))
+    (print_sweep if args.sweep else print_table)(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

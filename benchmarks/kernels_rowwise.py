@@ -127,6 +127,9 @@ CASES = [
     _spec_case("rmsnorm+fp8", RowwiseSpec(
         "bfloat16", norm="rms", eps=1e-6, weight=True, affine_after_round=True,
         outputs=("fp8_row",))),
+    _spec_case("rmsnorm", RowwiseSpec(
+        "bfloat16", norm="rms", eps=1e-6, weight=True, affine_after_round=True,
+        outputs=("out",))),
     _spec_case("gated res+layernorm+mod", RowwiseSpec(
         "bfloat16", norm="layer", eps=1e-6, residual=True, gate=True, modulation=True,
         outputs=("out", "residual"))),
@@ -208,8 +211,21 @@ def same_size_copy_gbps(moved: int) -> float:
     return 2 * half / device_ms(lambda src, dst: dst.copy_(src), sets) / 1e6
 
 
+def workload_shape(workload: str) -> tuple[int, int]:
+    """A named workload's (rows, cols), or ``ROWSxCOLS`` (e.g. 3168x4096: W1's bytes in rows
+    of a power-of-two width)."""
+    if workload in WORKLOADS:
+        return WORKLOADS[workload]
+    try:
+        rows, cols = (int(v) for v in workload.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"unknown workload {workload!r}: {', '.join(WORKLOADS)} or ROWSxCOLS"
+                         ) from None
+    return rows, cols
+
+
 def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> dict:
-    rows, cols = WORKLOADS[workload]
+    rows, cols = workload_shape(workload)
     g = torch.Generator(device="cuda").manual_seed(0)
     one = case.inputs(rows, cols, g)
     moved = _nbytes(one) + _nbytes(case.reference(**one))
@@ -255,12 +271,12 @@ def run(workloads: list[str], cases: list[Case], sweep_warps: bool) -> dict:
             "triton": triton.__version__, "copy_GBps": copy, "rows": rows_out}
 
 
-HEADER = (f"{'wl':<3} {'case':<28} {'kopt us':>8} {'eager us':>9} {'ind us':>8} "
+HEADER = (f"{'wl':<9} {'case':<28} {'kopt us':>8} {'eager us':>9} {'ind us':>8} "
           f"{'kopt GB/s':>9} {'of copy':>7} {'of same':>7} {'kopt/ind':>8} {'launch us':>9}  check")
 
 
 def _fmt(r: dict) -> str:
-    return (f"{r['workload']:<3} {r['case']:<28} {r['kopt_us']:8.1f} {r['eager_us']:9.1f} "
+    return (f"{r['workload']:<9} {r['case']:<28} {r['kopt_us']:8.1f} {r['eager_us']:9.1f} "
             f"{r['inductor_us']:8.1f} {r['kopt_GBps']:9.0f} {r['kopt_of_copy']:7.2f} "
             f"{r['kopt_of_same_size_copy']:7.2f} "
             f"{r['kopt_over_inductor']:8.2f} {r['kopt_launch_us']:9.1f}  {r['check']}"
@@ -272,7 +288,8 @@ def _fmt(r: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--workloads", default="W1,W2", help="comma-separated: W1,W2")
+    p.add_argument("--workloads", default="W1,W2",
+                   help="comma-separated: W1, W2 or ROWSxCOLS shapes")
     p.add_argument("--cases", default="", help="substring filter on case names")
     p.add_argument("--sweep-warps", action="store_true",
                    help="also time the row-wise kernels at every rows-per-program x warps "

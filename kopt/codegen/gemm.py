@@ -190,25 +190,39 @@ def gemm_kernel(
     a_ptr, b_ptr, a_desc, b_desc, out_ptr,
     scale_a_ptr, scale_b_ptr, bias_ptr, gate_ptr, res_ptr,
     #@EXTRA_PARAMS@
-    M, N, K, M_BUCKET,
+    M, N, K, M_BUCKET, NUM_PROGRAMS,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om,
     stride_sa, stride_sb, stride_gm, gate_group, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     USE_TMA: tl.constexpr, PRECISE_ACC: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     OUT_TY: tl.constexpr = out_ptr.dtype.element_ty
-    # grouped ordering: GROUP_M row-tiles share each column-tile of b while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
+    if PERSISTENT:
+        # NUM_PROGRAMS (one per SM) programs walk the tiles; the flattened loop lets the
+        # software pipeliner load the next tile's operands during this tile's epilogue
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS,
+                             flatten=True):
+            #@TILE@
+    else:
+        tile = tl.program_id(0)
+        #@TILE@
+'''
+
+# One output tile: its (pid_m, pid_n) from ``tile``, the K loop, the epilogue and the store.
+# Spliced into both paths of the kernel above (its markers are spliced after it).
+_TILE = '''\
+    # grouped ordering: GROUP_M row-tiles share each column-tile of b while it is in L2
+    group_id = tile // num_pid_in_group
     first_pid_m = group_id * GROUP_M
     group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m = first_pid_m + (tile % num_pid_in_group) % group_size_m
+    pid_n = (tile % num_pid_in_group) // group_size_m
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
 
@@ -293,11 +307,17 @@ _LOADS = {
 
 
 @functools.cache
+def _kernel_text() -> str:
+    """The template with the tile body in both of its paths (markers for the epilogue left)."""
+    return _splice(_TEMPLATE, "TILE", textwrap.dedent(_TILE).splitlines())
+
+
+@functools.cache
 def _template_names() -> frozenset[str]:
     """Every name the template defines or reads: operands (and their ``_ptr``, ``_stride``,
     ``_group`` parameters) must not shadow them."""
     names = set()
-    for node in ast.walk(ast.parse(_TEMPLATE)):
+    for node in ast.walk(ast.parse(_kernel_text())):
         if isinstance(node, ast.Name):
             names.add(node.id)
         elif isinstance(node, ast.arg):
@@ -328,7 +348,7 @@ def render_kernel_source(epilogue: GemmEpilogue | None = None) -> str:
     params = [f"{o.name}_ptr, {o.name}_stride, {o.name}_group," for o in ep.operands]
     loads = [_LOADS[o.kind].format(n=o.name) for o in ep.operands]
     body = textwrap.dedent("\n".join(ep.lines)).splitlines()
-    src = _splice(_TEMPLATE, "EXTRA_PARAMS", params)
+    src = _splice(_kernel_text(), "EXTRA_PARAMS", params)
     src = _splice(src, "EXTRA_LOADS", loads)
     return _splice(src, "EPILOGUE", body)
 
@@ -358,11 +378,13 @@ def m_bucket(m: int) -> int:
 
 
 def gemm_config(bm: int, bn: int, bk: int, group: int = 8, stages: int = 3,
-                warps: int = 8):  # noqa: ANN201
-    """One tile config (``triton.Config``) with the pre-hook that sizes the TMA boxes."""
+                warps: int = 8, persistent: bool = False):  # noqa: ANN201
+    """One tile config (``triton.Config``) with the pre-hook that sizes the TMA boxes.
+    ``persistent``: one program per SM walks the output tiles (see the template)."""
     import triton
 
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
+                          "PERSISTENT": int(persistent)},
                          num_stages=stages, num_warps=warps, pre_hook=_set_block_shapes)
 
 
@@ -372,22 +394,30 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False) -
     BLOCK_K is 128 bytes of K (128 fp8, 64 bf16): one TMA box row per tile row with the widest
     (128 B) shared-memory swizzle. Large M: 128x256 / 256x128 tiles, 8 warps (two warpgroups of
     64-row wgmma each, 128 fp32 accumulator registers per thread), 3-4 stages (48 KB a stage in
-    fp8). Small M (modulation GEMVs, decode): bandwidth-bound on b, so narrow N tiles give more
-    CTAs and deep pipelines keep loads in flight; 64 rows is wgmma's smallest M.
-    The interpreter gets one small tile, so awkward shapes exercise every mask quickly."""
+    fp8), one program per tile or persistent (one per SM; the next tile's loads overlap this
+    one's epilogue). Small M (modulation GEMVs, decode): bandwidth-bound on b, so narrow N
+    tiles give more CTAs and deep pipelines keep loads in flight; 64 rows is wgmma's smallest M.
+    The lists keep what a sweep of 30 configs on the W1/W2 shapes found within a few percent of
+    the best on each (``python -m benchmarks.kernels_gemm --sweep``, benchmarks/RESULTS.md,
+    session 13). The interpreter gets one small tile, so awkward shapes exercise every mask
+    quickly."""
     if interpreted:
         return [gemm_config(16, 32, 32, 2, 1, 4)]
     bk = 128 if fp8 else 64
     if m <= 64:
-        return [gemm_config(64, bn, bk, 1, s, 4) for bn in (32, 64, 128) for s in (4, 6)]
+        return [gemm_config(64, 256, bk, 8, 4, 4), gemm_config(64, 128, bk, 1, 4, 4),
+                gemm_config(64, 128, bk, 1, 6, 4), gemm_config(64, 64, bk, 1, 6, 4)]
     if m <= 1024:
         return [gemm_config(64, 64, bk, 8, 4, 4), gemm_config(64, 128, bk, 8, 4, 4),
                 gemm_config(128, 64, bk, 8, 4, 4), gemm_config(128, 128, bk, 8, 4, 8),
-                gemm_config(64, 256, bk, 8, 4, 4), gemm_config(128, 256, bk, 8, 3, 8)]
-    return [gemm_config(128, 256, bk, 8, 3, 8), gemm_config(128, 256, bk, 8, 4, 8),
-            gemm_config(256, 128, bk, 8, 3, 8), gemm_config(256, 128, bk, 8, 4, 8),
-            gemm_config(128, 128, bk, 8, 4, 4), gemm_config(128, 128, bk, 8, 5, 8),
-            gemm_config(128, 256, bk // 2, 8, 5, 8)]
+                gemm_config(64, 256, bk, 8, 4, 4), gemm_config(64, 32, bk, 8, 6, 4),
+                gemm_config(64, 256, bk, 8, 4, 4, persistent=True),
+                gemm_config(128, 256, bk, 8, 3, 8, persistent=True)]
+    return [gemm_config(128, 256, bk, 8, 3, 8, persistent=True),
+            gemm_config(128, 256, bk, 8, 4, 8, persistent=True),
+            gemm_config(128, 256, bk, 8, 3, 8), gemm_config(128, 256, bk, 8, 4, 8),
+            gemm_config(256, 128, bk, 8, 4, 8, persistent=True),
+            gemm_config(128, 256, bk // 2, 8, 5, 8, persistent=True)]
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -435,7 +465,7 @@ def _config_from_params(c: Mapping[str, int]):  # noqa: ANN202
     """A stored config (integers validated against the template's allowlist) as this
     template's ``triton.Config``, pre-hook and all."""
     return gemm_config(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"],
-                       c["num_stages"], c["num_warps"])
+                       c["num_stages"], c["num_warps"], bool(c["PERSISTENT"]))
 
 
 def tuned_configs() -> list[dict]:
@@ -680,6 +710,13 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+def _programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (a few under the interpreter)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
          scale_b: torch.Tensor | None = None, bias: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -740,7 +777,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
         stride = t.stride(0) if t.numel() > 1 else 0
         group = m // t.shape[0] if o.kind == "group" else 1
         extra_args += [t, stride, group]
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    programs = _programs(a.device)
+
+    def grid(meta: Mapping[str, int]) -> tuple[int]:
+        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
+
     ctx = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
     with ctx:
         kernel[grid](
@@ -748,7 +790,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
             sa, sb, bias if bias is not None else dummy, g if g is not None else dummy,
             r if r is not None else dummy,
             *extra_args,
-            m, n, k, m_bucket(m),
+            m, n, k, m_bucket(m), programs,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
             sa.stride(0) if sa.numel() > 1 else 0,
             sb.stride(0) if sb.numel() > 1 else 0,

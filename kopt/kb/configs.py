@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kopt.errors import KoptError
 
@@ -36,6 +36,8 @@ class TemplateSchema:
 
     params: Mapping[str, frozenset[int]]
     check: Callable[[Mapping[str, int]], str | None] = lambda c: None
+    # parameters added to a template later: what a config stored before them meant
+    defaults: Mapping[str, int] = field(default_factory=dict)
 
 
 def _gemm_smem(element_bytes: int) -> Callable[[Mapping[str, int]], str | None]:
@@ -52,12 +54,12 @@ def _gemm_smem(element_bytes: int) -> Callable[[Mapping[str, int]], str | None]:
 _GEMM = {
     "BLOCK_M": _pow2(16, 256), "BLOCK_N": _pow2(16, 256), "BLOCK_K": _pow2(16, 256),
     "GROUP_M": frozenset(range(1, 33)), "num_warps": _pow2(1, 16),
-    "num_stages": frozenset(range(1, 9)),
+    "num_stages": frozenset(range(1, 9)), "PERSISTENT": frozenset((0, 1)),
 }
 
 TEMPLATES: dict[str, TemplateSchema] = {
-    "gemm_fp8": TemplateSchema(_GEMM, _gemm_smem(1)),
-    "gemm_bf16": TemplateSchema(_GEMM, _gemm_smem(2)),
+    "gemm_fp8": TemplateSchema(_GEMM, _gemm_smem(1), {"PERSISTENT": 0}),
+    "gemm_bf16": TemplateSchema(_GEMM, _gemm_smem(2), {"PERSISTENT": 0}),
     "rowwise": TemplateSchema({"ROWS": _pow2(1, 32), "num_warps": _pow2(1, 32)}),
 }
 
@@ -105,6 +107,7 @@ def validate_config(template: str, raw: object) -> dict[str, int]:
     if not isinstance(value, dict):
         raise ConfigRejected(f"config is a JSON {type(value).__name__}, not an object of "
                              "integers")
+    value = {**schema.defaults, **value}
     unknown = sorted(set(value) - set(schema.params))
     missing = sorted(set(schema.params) - set(value))
     if unknown or missing:

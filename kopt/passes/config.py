@@ -117,6 +117,13 @@ class PassConfig:
     copy (~560 GB/s). Exact. W1 on the H200: 4.4 and 2.0 ms per call saved under CUDA graphs in
     two paired leave-one-out runs (benchmarks/RESULTS.md session 9)."""
 
+    triton_gemm: bool = False
+    """Every rowwise FP8 GEMM left to cuBLAS runs kopt's autotuned Triton template instead
+    (its GEMMs 2.0-2.6% less kernel time than cuBLAS's in W1/W2 replayed from a CUDA graph;
+    its accumulation error grows with K, so W2's output error rises from 1.225e-1 to 1.235e-1).
+    Its launcher costs ~240 us of host time per call: a gain only replayed from a CUDA graph
+    (off by default; benchmarks/RESULTS.md session 13)."""
+
     hoist: bool | tuple[str, ...] = True
     """Cache work that depends only on conditioning inputs (timestep modulation across a CFG
     pair); found automatically, or a tuple of input names to treat as conditioning too."""

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import fx
 
+import kopt.codegen.gemm  # noqa: F401 -- registers kopt::fp8_gemm
 from kopt.graph import attr, describe_node, stable_topo_sort, structural_key
 from kopt.graph.deps import dependency_sets, is_effectful
 from kopt.graph.splice import eliminate_dead
@@ -74,6 +75,7 @@ GEMMS = {
     aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
     aten.matmul.default, aten.baddbmm.default, aten.convolution.default,
     aten.scaled_dot_product_attention.default, aten._scaled_mm.default,
+    torch.ops.kopt.fp8_gemm.default,
 }
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+import kopt.codegen.gemm  # noqa: F401 -- registers kopt::fp8_gemm
 import kopt.codegen.kernels.allreduce_norm  # noqa: F401 -- registers kopt::allreduce_residual_norm
 from kopt.graph import op_name
 from kopt.patterns.core import Match, Rejection, StructuralRewrite
@@ -62,6 +63,7 @@ _CONTRACTIONS = frozenset({
     aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
     aten.baddbmm.default, aten.matmul.default, aten.convolution.default,
     aten.scaled_dot_product_attention.default, aten._scaled_mm.default,
+    torch.ops.kopt.fp8_gemm.default,
 })
 
 # why the passes leave a collective where it is (the reports' reasons)

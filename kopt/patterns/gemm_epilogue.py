@@ -1,4 +1,5 @@
-"""GEMM epilogues: the residual update after an FP8 GEMM runs inside kopt's GEMM.
+"""kopt's FP8 GEMM template in the graph: the residual update after an FP8 GEMM in its epilogue,
+and any other rowwise FP8 GEMM on the template alone.
 
     # r + g * reshape(mm_fp8(a, b, sa, sb, bias))  ->  reshape(fp8_gemm(a, b, sa, sb, bias, g, r))
     # r + reshape(mm_fp8(a, b, sa, sb, bias))      ->  reshape(fp8_gemm(a, b, sa, sb, bias, r))
@@ -13,6 +14,18 @@ accumulated in another order than cuBLAS's: the tier is tolerance.
 Guards: the GEMM's output and the gated product have no other user (they are not materialised
 any more); the gate is one vector per batch item (``[B, 1, N]`` or ``[N]``) over ``[B, T, N]``;
 the residual has the output's shape and dtype.
+
+    # mm_fp8(a, b, sa, sb, bias)  ->  fp8_gemm(a, b, sa, sb, bias)                 (triton_gemm)
+
+The template, autotuned per (M bucket, N, K), measured 0.86-1.05x cuBLAS's time on the W1/W2
+token shapes (17-18 of 22 shapes at or under it) and 0.70-0.79x on the modulation GEMVs; in the
+W1/W2 graphs replayed from CUDA graphs its GEMMs took 2.0-2.6% less kernel time than cuBLAS's
+(benchmarks/RESULTS.md, session 13).
+Its bias is added to the fp32 accumulator before the one rounding, as cuBLAS does; the product
+is accumulated in the tensor cores' own precision over the whole K loop, so its error against
+the fp64 product grows with K (1.8e-3 at K = 3072, 4.3e-3 at 24576; cuBLAS's 1.7e-3 at 3072
+and 12288): tier tolerance. Its Python launcher costs ~240 us of host time per call (the cost
+model's ``host_us``): worth it only replayed from a CUDA graph, so the pass is off by default.
 """
 
 from __future__ import annotations
@@ -82,9 +95,25 @@ def find_gemm_epilogues(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
                                         "shape": list(yv.shape)})
 
 
-def _gemm_unsupported(gemm: fx.Node) -> str | None:
-    a, b, sa, sb = gemm.args[:4]
-    out_dtype = gemm.kwargs.get("out_dtype", gemm.args[5] if len(gemm.args) > 5 else None)
+_SCALED_MM_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype",
+                   "use_fast_accum")
+
+
+def scaled_mm_args(gemm: fx.Node) -> dict:
+    """``_scaled_mm``'s arguments by name, positional or keyword, defaults filled in."""
+    args = dict.fromkeys(_SCALED_MM_ARGS)
+    args["use_fast_accum"] = False
+    args.update(zip(_SCALED_MM_ARGS, gemm.args, strict=False))
+    args.update(gemm.kwargs)
+    return args
+
+
+def _gemm_unsupported(gemm: fx.Node, fast_accum_ok: bool = False) -> str | None:
+    args = scaled_mm_args(gemm)
+    a, b, sa, sb = (args[k] for k in ("self", "mat2", "scale_a", "scale_b"))
+    out_dtype = args["out_dtype"]
+    if args["scale_result"] is not None:
+        return "the GEMM scales its result (scale_result)"
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"GEMM output dtype {out_dtype} (kopt's GEMM writes bf16/fp16/fp32)"
     av, bv = tensor_meta(a), tensor_meta(b)
@@ -92,9 +121,11 @@ def _gemm_unsupported(gemm: fx.Node) -> str | None:
         return "operands are not e4m3"
     if bv.dim() != 2 or bv.stride(0) != 1:
         return "B is not the column-major [K, N] weight view"
+    if av.dim() != 2 or av.stride(1) != 1:
+        return f"A is not row-major [M, K] (strides {tuple(av.stride())})"
     if tensor_meta(sa).shape != (av.shape[0], 1) or tensor_meta(sb).shape != (1, bv.shape[1]):
         return "scales are not rowwise ([M, 1] x [1, N])"
-    if gemm.kwargs.get("use_fast_accum", False):
+    if args["use_fast_accum"] and not fast_accum_ok:
         return "fast accumulation requested"
     return None
 
@@ -122,9 +153,9 @@ def fuse(gm: fx.GraphModule, match: Match) -> None:
     forward: dict[fx.Node, fx.Node] = gm.graph._kopt_epilogue_forward
     while residual in forward:
         residual = forward[residual]
-    a, b, sa, sb = gemm.args[:4]
-    bias = gemm.kwargs.get("bias", gemm.args[4] if len(gemm.args) > 4 else None)
-    out_dtype = gemm.kwargs.get("out_dtype", gemm.args[5] if len(gemm.args) > 5 else None)
+    args = scaled_mm_args(gemm)
+    a, b, sa, sb, bias, out_dtype = (args[k] for k in ("self", "mat2", "scale_a", "scale_b",
+                                                      "bias", "out_dtype"))
     g = gm.graph
     n = tensor_meta(b).shape[1]
     with g.inserting_before(match.anchor):
@@ -149,4 +180,41 @@ GEMM_EPILOGUE = StructuralRewrite(
                        "the product in another order than cuBLAS"),
     benefit=10,
     description="r + g * mm_fp8(a, b) -> fp8_gemm(a, b, gate=g, residual=r)",
+)
+
+
+TEMPLATE_NAME = "triton_gemm"
+
+
+def find_template_gemms(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
+    for gemm in gm.graph.nodes:
+        if gemm.target is not GEMM:
+            continue
+        reason = _gemm_unsupported(gemm, fast_accum_ok=True)
+        if reason:
+            yield Rejection(TEMPLATE_NAME, gemm.name, reason)
+            continue
+        yield Match(TEMPLATE_NAME, gemm, (gemm,), {})
+
+
+def to_template(gm: fx.GraphModule, match: Match) -> None:
+    gemm = match.anchor
+    args = scaled_mm_args(gemm)
+    with gm.graph.inserting_before(gemm):
+        new = gm.graph.call_function(FUSED, (
+            args["self"], args["mat2"], args["scale_a"], args["scale_b"], args["bias"], None,
+            None, "none", args["out_dtype"]))
+        infer_meta(gm, new)
+    gemm.replace_all_uses_with(new)
+    gm.graph.erase_node(gemm)
+
+
+TRITON_GEMM = StructuralRewrite(
+    name=TEMPLATE_NAME,
+    matcher=find_template_gemms,
+    applier=to_template,
+    numerics=tolerance("kopt's GEMM accumulates the product in another order (and precision) "
+                       "than cuBLAS; the bias and the rounding are cuBLAS's"),
+    benefit=1,
+    description="mm_fp8(a, b, sa, sb, bias) -> fp8_gemm(a, b, sa, sb, bias)",
 )

@@ -14,6 +14,7 @@ from kopt.codegen.gemm import (
     GemmInputError,
     define_gemm_op,
     gemm,
+    gemm_config,
     gemm_configs,
     gemm_reference,
     load_generated_module,
@@ -179,6 +180,25 @@ def test_generated_epilogue_lines_are_spliced_and_match_their_reference(use_tma:
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointer", "tma"])
+def test_persistent_programs_walk_every_tile(use_tma: bool) -> None:
+    """3 programs (the interpreter's 'SMs') over 3 x 2 tiles of 16 x 32 (partial ones in both
+    directions): every tile written once, with its own epilogue operands."""
+    m, n, k = 36, 48, 80
+    a, b, sa, sb = fp8_operands(m, n, k)
+    extra = epilogue_extra(m, n)
+    bias, gate, res, act = epilogue_operands(m, n, EPILOGUES["all"])
+    persistent = [gemm_config(16, 32, 32, 2, 1, 4, persistent=True)]
+    out = gemm(a, b, sa, sb, bias, gate, res, act, BF16, epilogue=EPILOGUE, extra=extra,
+               use_tma=use_tma, configs=persistent)
+    ref = gemm_reference(a, b, sa, sb, bias, gate, res, act, BF16, epilogue=EPILOGUE,
+                         extra=extra, epilogue_reference=epilogue_reference)
+    assert_matches(out, ref)
+    one_tile = gemm(a, b, sa, sb, bias, gate, res, act, BF16, epilogue=EPILOGUE, extra=extra,
+                    use_tma=use_tma, configs=[gemm_config(16, 32, 32, 2, 1, 4)])
+    assert torch.equal(out, one_tile)  # the same tile arithmetic, only scheduled differently
+
+
 def test_define_gemm_op_for_a_generated_epilogue() -> None:
     op = define_gemm_op("kopt_test::gemm_scale_shift", EPILOGUE, epilogue_reference)
     assert define_gemm_op("kopt_test::gemm_scale_shift", EPILOGUE, epilogue_reference) is op
@@ -214,6 +234,7 @@ def test_m_bucket_and_configs() -> None:
             assert configs
             for c in configs:  # 128 bytes of K per tile row, or 64
                 assert c.kwargs["BLOCK_K"] * (1 if fp8 else 2) in (64, 128)
+                assert c.kwargs["PERSISTENT"] in (0, 1)
 
 
 # --- bad inputs -----------------------------------------------------------------------------

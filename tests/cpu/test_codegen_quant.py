@@ -194,3 +194,13 @@ def test_unsupported_dtypes_fall_back_to_the_reference() -> None:
     q, s = quant_fp8_rowwise_triton(x)
     qr, sr = quant_fp8_rowwise_reference(x)
     assert torch.equal(_bits(q), _bits(qr)) and torch.equal(s, sr)
+
+
+def test_rowwise_reference_writes_row_major_like_its_fake() -> None:
+    """A transposed input (a view the graph's meta may call contiguous after a reshape) still
+    gives row-major e4m3 values: the GEMM after the quantizer reads them as [M, K]."""
+    x = torch.randn(16, 48, dtype=torch.bfloat16).t()
+    q, scale = quant_fp8_rowwise_reference(x)
+    assert q.is_contiguous() and q.shape == (48, 16)
+    q2, scale2 = quant_fp8_rowwise_reference(x.contiguous())
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, scale2)

@@ -75,3 +75,67 @@ def test_near_misses_are_rejected_with_the_reason(gate: tuple, tap: bool, why: s
         assert result.matched == 1 and result.verdict.passed
     else:
         assert result.matched == 0 and result.rejected == {why: 1}
+
+
+# --- triton_gemm: every FP8 GEMM left to cuBLAS on kopt's template ------------------------------
+
+TEMPLATE = CONFIG.replace(gemm_epilogue=False, triton_gemm=True)
+
+
+@pytest.mark.parametrize("name", ["qwen-image-tiny", "flux2-tiny", "llm-tiny"])
+def test_triton_gemm_takes_every_fp8_gemm_hoisted_ones_too(name: str) -> None:
+    from kopt.models import build
+    w = build(name, dtype=torch.bfloat16)
+    plain = kopt.optimize(w.model, w.args, w.kwargs, TEMPLATE.replace(triton_gemm=False))
+    gemms = _count(plain.graph_module, aten._scaled_mm.default)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, TEMPLATE)
+    result = opt.report.result("triton_gemm")
+    assert gemms > 0 and result.matched == gemms and result.verdict.passed
+    assert result.verdict.tier == "tolerance"
+    gm = opt.graph_module
+    assert _count(gm, aten._scaled_mm.default) == 0 and _count(gm, FUSED) == gemms
+    with torch.no_grad():  # on the CPU the op runs _scaled_mm's reference: the same values
+        assert torch.equal(opt(*w.args, **w.kwargs)[0], plain(*w.args, **w.kwargs)[0])
+
+
+class _ScaledMM(nn.Module):
+    """A hand-written FP8 GEMM with one argument kopt's template does not take."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.change = change
+        self.w = nn.Parameter(torch.randn(48, 32).to(torch.float8_e4m3fn), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(x.shape[0], 1), torch.ones(1, 48)
+        kw: dict = {"out_dtype": torch.bfloat16}
+        if self.change == "scale_result":
+            kw["scale_result"] = torch.tensor(2.0)
+        if self.change == "tensorwise":
+            sa, sb = torch.tensor(1.0), torch.tensor(1.0)
+        if self.change == "fp8 out":
+            kw["out_dtype"] = torch.float8_e4m3fn
+        return torch._scaled_mm(a, self.w.t(), sa, sb, **kw).float()
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ("none", None),
+    ("scale_result", "the GEMM scales its result (scale_result)"),
+    ("tensorwise", "scales are not rowwise ([M, 1] x [1, N])"),
+    ("fp8 out", "GEMM output dtype torch.float8_e4m3fn (kopt's GEMM writes bf16/fp16/fp32)"),
+])
+def test_triton_gemm_near_misses(change: str, why: str | None) -> None:
+    x = torch.randn(16, 32)
+    try:
+        torch._scaled_mm(x.to(torch.float8_e4m3fn), torch.zeros(48, 32, dtype=torch.float8_e4m3fn
+                                                                ).t(), torch.ones(16, 1),
+                         torch.ones(1, 48), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:  # this CPU build has no FP8 GEMM
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {e}")
+    opt = kopt.optimize(_ScaledMM(change).eval(), (x,), config=kopt.PassConfig(triton_gemm=True))
+    result = opt.report.result("triton_gemm")
+    if why is None:
+        assert result.matched == 1 and result.verdict.passed
+    else:
+        assert result.matched == 0 and result.rejected == {why: 1}

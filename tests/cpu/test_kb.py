@@ -42,7 +42,7 @@ from tests.fixtures import QKV
 
 ROOT = Path(__file__).resolve().parents[2]
 GEMM_CFG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
-            "num_stages": 3}
+            "PERSISTENT": 0, "num_stages": 3}
 BUCKET = "m=4096 n=3072 k=3072 tma=1 precise=0 bias=none act=none gate=1 res=1"
 H200 = "NVIDIA H200"
 
@@ -208,7 +208,7 @@ _WRITER = textwrap.dedent("""
         time.sleep(0.001)
     kb = KnowledgeBase.open(path)
     cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
-           "num_stages": 3}
+           "PERSISTENT": 0, "num_stages": 3}
     for i in range(n):
         kid = kb.record_kernel_config("gemm_bf16", "h", cfg, f"{tag}-{i}", "bf16", "dev")
         shared = kb.record_kernel_config("gemm_bf16", "h", cfg, "shared", "bf16", "dev")
@@ -271,9 +271,23 @@ def _tampered(marker: Path) -> dict[str, object]:
         "NaN": json.dumps(_config()).replace("3}", "NaN}"),
         "duplicate key": json.dumps(_config())[:-1] + ', "BLOCK_M": 64}',
         "missing key": json.dumps({k: v for k, v in GEMM_CFG.items() if k != "GROUP_M"}),
+        "persistent is 0 or 1": json.dumps(_config(PERSISTENT=2)),
         "too much shared memory": json.dumps(_config(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256,
                                                      num_stages=8)),
     }
+
+
+def test_a_gemm_config_stored_before_the_persistent_flag_reads_as_one_tile_per_program(
+        kb: KnowledgeBase) -> None:
+    kid = _record(kb, 0.3)
+    old = {k: v for k, v in GEMM_CFG.items() if k != "PERSISTENT"}
+    db = sqlite3.connect(kb.path)  # the row as an earlier kopt wrote it
+    db.execute("UPDATE kernels SET config = ? WHERE id = ?", (json.dumps(old), kid))
+    db.commit()
+    db.close()
+    best = kb.best_config("gemm_fp8", BUCKET, H200)
+    assert best is not None and best.config["PERSISTENT"] == 0
+    assert G._config_from_params(best.config).kwargs["PERSISTENT"] == 0
 
 
 def test_tampered_config_rows_are_refused_and_nothing_runs(kb: KnowledgeBase,

@@ -74,6 +74,22 @@ def test_fp8_tma_and_pointer_paths_agree() -> None:
         assert relative_error(out, exact) <= FP8_GEMM_BOUND, use_tma
 
 
+@pytest.mark.parametrize("tile", [(128, 256, 128, 8, 3, 8), (64, 64, 128, 8, 4, 4)],
+                         ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("shape", [(1000, 1040, 1024), (4224, 3072, 3072), (128, 9216, 3072)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_persistent_tiles_equal_one_program_per_tile(shape: tuple, tile: tuple) -> None:
+    """The persistent loop computes each tile as the one-tile kernel does (same K order):
+    bitwise equal outputs, with the gated residual epilogue, on more tiles than SMs."""
+    m, n, k = shape
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    gate = torch.randn(1, n, device="cuda", dtype=BF16)
+    res = torch.randn(m, n, device="cuda", dtype=BF16)
+    one = gemm(a, b, sa, sb, bias, gate, res, configs=[gemm_config(*tile)])
+    walked = gemm(a, b, sa, sb, bias, gate, res, configs=[gemm_config(*tile, persistent=True)])
+    assert torch.equal(one, walked)
+
+
 # (bias, activation, gate: "batch" [B, 1, N] | "full" | None, residual)
 EPILOGUES = {
     "bias_gelu": (True, "gelu_tanh", None, False),  # Qwen-Image MLP up

@@ -61,8 +61,9 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def quant_fp8_rowwise_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference quantizer: ``(q, scale)`` with ``q * scale ~= x``, scale shaped [..., 1]."""
-    # The division and the clamp happen in fp32: a bf16 quotient would round twice.
-    xf = x.float()
+    # The division and the clamp happen in fp32: a bf16 quotient would round twice. Row-major
+    # like the fake and the kernel's output, whatever x's strides (a GEMM reads q row-major).
+    xf = x.to(torch.float32, memory_format=torch.contiguous_format)
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
     scale = amax / E4M3_MAX
     q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
