@@ -30,5 +30,6 @@ def test_decode_step_with_folded_query_heads_verifies_and_replays_on_cuda() -> N
             return [opt(*w.args, **w.kwargs)[0].float().clone() for _ in range(4)]
 
     want, got = steps(plain), steps(folded)  # the folded module replays from its 3rd call
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=lambda m, step=step: (
+            f"step {step} ({'eager' if step < 2 else 'replayed'}): {m}"))
