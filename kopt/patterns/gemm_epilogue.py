@@ -23,8 +23,8 @@ W1/W2 graphs replayed from CUDA graphs its GEMMs took 2.0-2.6% less kernel time 
 (benchmarks/RESULTS.md, session 13).
 Its bias is added to the fp32 accumulator before the one rounding, as cuBLAS does; the product
 is accumulated in the tensor cores' own precision over the whole K loop, so its error against
-the fp64 product grows with K (1.8e-3 at K = 3072, 4.3e-3 at 24576; cuBLAS's 1.7e-3 at 3072
-and 12288): tier tolerance. Its Python launcher costs ~240 us of host time per call (the cost
+the fp64 product grows with K (1.8e-3 at K = 3072, 4.3e-3 at 24576; cuBLAS's 1.7e-3 at every
+K): tier tolerance. Its Python launcher costs ~240 us of host time per call (the cost
 model's ``host_us``): worth it only replayed from a CUDA graph, so the pass is off by default.
 """
 
