@@ -305,7 +305,7 @@ class _MatchState:
         if not isinstance(g, fx.Node) or g.op != "call_function" or g.target != p.target:
             found = op_name(g) if isinstance(g, fx.Node) else repr(g)
             raise _NoMatch(f"expected {op_name(p)} where the graph has {found}")
-        p_args, g_args = _normalized(p), _normalized(g)
+        p_args, g_args = normalized_args(p), normalized_args(g)
         if p_args.keys() != g_args.keys():
             raise _NoMatch(f"{op_name(g)} called with other arguments than in the pattern")
         self.pmap[p] = g
@@ -359,7 +359,9 @@ class _MatchState:
         return out
 
 
-def _normalized(node: fx.Node) -> dict[str, Any]:
+def normalized_args(node: fx.Node) -> dict[str, Any]:
+    """An aten op node's arguments by their schema names, positional or keyword, defaults filled
+    in (``arg0``, ``arg1``, ... for other targets)."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         pair = normalize_function(

@@ -37,7 +37,7 @@ from torch import fx
 
 import kopt.codegen.gemm  # noqa: F401 -- registers kopt::fp8_gemm
 from kopt.graph import infer_meta, other_operand, tensor_meta
-from kopt.patterns.core import Match, Rejection, StructuralRewrite, tolerance
+from kopt.patterns.core import Match, Rejection, StructuralRewrite, normalized_args, tolerance
 
 aten = torch.ops.aten
 GEMM = aten._scaled_mm.default
@@ -95,22 +95,9 @@ def find_gemm_epilogues(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
                                         "shape": list(yv.shape)})
 
 
-_SCALED_MM_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype",
-                   "use_fast_accum")
-
-
-def scaled_mm_args(gemm: fx.Node) -> dict:
-    """``_scaled_mm``'s arguments by name, positional or keyword, defaults filled in."""
-    args = dict.fromkeys(_SCALED_MM_ARGS)
-    args["use_fast_accum"] = False
-    args.update(zip(_SCALED_MM_ARGS, gemm.args, strict=False))
-    args.update(gemm.kwargs)
-    return args
-
-
 def _gemm_unsupported(gemm: fx.Node, fast_accum_ok: bool = False) -> str | None:
-    args = scaled_mm_args(gemm)
-    a, b, sa, sb = (args[k] for k in ("self", "mat2", "scale_a", "scale_b"))
+    args = normalized_args(gemm)
+    a, b, sa, sb = (args[k] for k in ("input", "mat2", "scale_a", "scale_b"))
     out_dtype = args["out_dtype"]
     if args["scale_result"] is not None:
         return "the GEMM scales its result (scale_result)"
@@ -153,8 +140,8 @@ def fuse(gm: fx.GraphModule, match: Match) -> None:
     forward: dict[fx.Node, fx.Node] = gm.graph._kopt_epilogue_forward
     while residual in forward:
         residual = forward[residual]
-    args = scaled_mm_args(gemm)
-    a, b, sa, sb, bias, out_dtype = (args[k] for k in ("self", "mat2", "scale_a", "scale_b",
+    args = normalized_args(gemm)
+    a, b, sa, sb, bias, out_dtype = (args[k] for k in ("input", "mat2", "scale_a", "scale_b",
                                                       "bias", "out_dtype"))
     g = gm.graph
     n = tensor_meta(b).shape[1]
@@ -199,10 +186,10 @@ def find_template_gemms(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
 
 def to_template(gm: fx.GraphModule, match: Match) -> None:
     gemm = match.anchor
-    args = scaled_mm_args(gemm)
+    args = normalized_args(gemm)
     with gm.graph.inserting_before(gemm):
         new = gm.graph.call_function(FUSED, (
-            args["self"], args["mat2"], args["scale_a"], args["scale_b"], args["bias"], None,
+            args["input"], args["mat2"], args["scale_a"], args["scale_b"], args["bias"], None,
             None, "none", args["out_dtype"]))
         infer_meta(gm, new)
     gemm.replace_all_uses_with(new)

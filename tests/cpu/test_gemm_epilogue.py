@@ -108,6 +108,8 @@ class _ScaledMM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = x.to(torch.float8_e4m3fn)
+        if self.change == "column-major A":
+            a = a.t().contiguous().t()
         sa, sb = torch.ones(x.shape[0], 1), torch.ones(1, 48)
         kw: dict = {"out_dtype": torch.bfloat16}
         if self.change == "scale_result":
@@ -123,6 +125,7 @@ class _ScaledMM(nn.Module):
     ("none", None),
     ("scale_result", "the GEMM scales its result (scale_result)"),
     ("tensorwise", "scales are not rowwise ([M, 1] x [1, N])"),
+    ("column-major A", "A is not row-major [M, K] (strides (1, 16))"),
     ("fp8 out", "GEMM output dtype torch.float8_e4m3fn (kopt's GEMM writes bf16/fp16/fp32)"),
 ])
 def test_triton_gemm_near_misses(change: str, why: str | None) -> None:
