@@ -15,7 +15,9 @@ divided by the calls in the graph. ``kopt launch`` is do_bench of a plain call (
 host overhead). GB/s counts the bytes the kernel must move (every input read once, every output
 written once); ``of copy`` is that over the copy bandwidth measured in the same run
 (``torch.empty_like(x).copy_(x)`` on 1 GiB), ``of same`` over that of a copy of the kernel's own
-byte count, timed the same way (:func:`same_size_copy_gbps`).
+byte count, timed the same way (:func:`same_size_copy_gbps`). ``one tile``: where kopt runs a
+row as two power-of-two tiles (``row_split``: 3072 = 2048 + 1024), the same kernel with the row
+in one masked tile.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     quant_fp8_rowwise_reference,
     quant_fp8_rowwise_triton,
 )
-from kopt.codegen.rowwise import RowwiseSpec, rowwise_reference, rowwise_triton
+from kopt.codegen.rowwise import RowwiseSpec, prepare_launch, rowwise_reference, rowwise_triton
 
 WORKLOADS = {"W1": (4096 + 128, 3072), "W2": (4096 + 512, 6144)}
 L2_BYTES = 64 << 20  # H200: 50 MiB; rotate through > 4x this per graph
@@ -98,9 +100,9 @@ def _row_inputs(spec: RowwiseSpec) -> Callable[[int, int, torch.Generator], dict
 
 def _spec_case(name: str, spec: RowwiseSpec) -> Case:
     def kopt(num_warps: int | None = None, rows_per: int | None = None,
-             **ins: torch.Tensor) -> object:
+             one_tile: bool = False, **ins: torch.Tensor) -> object:
         return rowwise_triton(spec, [ins[n] for n in spec.input_names()], num_warps=num_warps,
-                              rows_per=rows_per)
+                              rows_per=rows_per, one_tile=one_tile)
 
     def reference(**ins: torch.Tensor) -> object:
         return rowwise_reference(spec, ins)
@@ -224,7 +226,8 @@ def workload_shape(workload: str) -> tuple[int, int]:
     return rows, cols
 
 
-def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> dict:
+def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float,
+            inductor: bool = True) -> dict:
     rows, cols = workload_shape(workload)
     g = torch.Generator(device="cuda").manual_seed(0)
     one = case.inputs(rows, cols, g)
@@ -233,7 +236,10 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
     sets = [one] + [case.inputs(rows, cols, g) for _ in range(n_sets - 1)]
     t_kopt = device_ms(case.kopt, sets)
     t_eager = device_ms(case.reference, sets)
-    t_ind = device_ms(torch.compile(case.reference), sets)
+    t_ind = float("nan")
+    if inductor:
+        torch._dynamo.reset()  # else past the recompile limit (many cases) it runs eager
+        t_ind = device_ms(torch.compile(case.reference), sets)
     t_launch = do_bench(lambda: case.kopt(**one), return_mode="median")
     same = same_size_copy_gbps(moved)
     row = {
@@ -245,6 +251,11 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
         "kopt_over_inductor": t_kopt / t_ind, "check": _check(case, one),
         "spec": case.spec.to_json() if case.spec is not None else None,
     }
+    if case.spec is not None and prepare_launch(
+            case.spec, [one[n] for n in case.spec.input_names()]).constexprs["BLOCK2"]:
+        # the row runs as two tiles: what one power-of-two tile (masked lanes) took
+        row["one_tile_us"] = device_ms(lambda **ins: case.kopt(one_tile=True, **ins),
+                                       sets) * 1e3
     if sweep_warps and case.spec is not None:
         # the tiling's candidates: rows per program x warps (keys "rows x warps")
         row["tiling_us"] = {
@@ -258,12 +269,13 @@ def measure(case: Case, workload: str, sweep_warps: bool, copy_gbps: float) -> d
     return row
 
 
-def run(workloads: list[str], cases: list[Case], sweep_warps: bool) -> dict:
+def run(workloads: list[str], cases: list[Case], sweep_warps: bool,
+        inductor: bool = True) -> dict:
     copy = copy_gbps()
     rows_out = []
     for workload in workloads:
         for case in cases:
-            row = measure(case, workload, sweep_warps, copy)
+            row = measure(case, workload, sweep_warps, copy, inductor)
             rows_out.append(row)
             print(_fmt(row), flush=True)
             torch.cuda.empty_cache()
@@ -280,6 +292,7 @@ def _fmt(r: dict) -> str:
             f"{r['inductor_us']:8.1f} {r['kopt_GBps']:9.0f} {r['kopt_of_copy']:7.2f} "
             f"{r['kopt_of_same_size_copy']:7.2f} "
             f"{r['kopt_over_inductor']:8.2f} {r['kopt_launch_us']:9.1f}  {r['check']}"
+            + (f"  one tile {r['one_tile_us']:.1f} us" if "one_tile_us" in r else "")
             + (f"  best tiling {r['best_tiling']} (rows x warps): "
                f"{r['tiling_us'][r['best_tiling']]:.1f} us, {r['best_tiling_of_copy']:.2f} of copy"
                if "tiling_us" in r else ""))
@@ -294,12 +307,14 @@ def main() -> None:
     p.add_argument("--sweep-warps", action="store_true",
                    help="also time the row-wise kernels at every rows-per-program x warps "
                         "tiling in SWEEP_ROWS x SWEEP_WARPS")
+    p.add_argument("--no-inductor", dest="inductor", action="store_false",
+                   help="skip Inductor's kernel (its compilation dominates a short run)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels_rowwise.py needs a CUDA device")
     cases = [c for c in CASES if args.cases in c.name]
     print(HEADER)
-    result = run(args.workloads.split(","), cases, args.sweep_warps)
+    result = run(args.workloads.split(","), cases, args.sweep_warps, args.inductor)
     print(f"copy bandwidth: {result['copy_GBps']:.0f} GB/s on {result['device']}")
     if args.out:
         with open(args.out, "w") as f:

@@ -33,6 +33,7 @@ from kopt.codegen.kernels.act_quant_group import (
     act_quant_group_triton,
 )
 from kopt.codegen.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
+from kopt.codegen.kernels.quant_fp8 import row_split
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,10 @@ def act_configs(n: int) -> list[dict[str, int]]:
     whole = triton.next_power_of_2(n)
     out = [{"BLOCK": whole, "ONE_PASS": True, "num_warps": w} for w in (4, 8, 16, 32)
            if whole // (32 * w) <= 64]
+    block, block2 = row_split(n)  # the whole row in two tiles: no masked lanes
+    if block2:
+        out += [{"BLOCK": block, "BLOCK2": block2, "ONE_PASS": True, "num_warps": w}
+                for w in (4, 8, 16, 32) if block // (32 * w) <= 64]
     out += [{"BLOCK": c, "ONE_PASS": False, "STASH": False, "num_warps": w}
             for c in (2048, 4096, 8192) for w in (4, 8, 16) if c < whole]
     out += [{"BLOCK": c, "ONE_PASS": False, "STASH": True, "CTAS_PER_SM": k, "num_warps": w}
@@ -265,7 +270,8 @@ def bench_act(case: ActCase, sweep: bool = False) -> Row:
               inductor_us=inductor, copy_us=_copy_us(nbytes), inductor_note=note)
     if sweep:
         row.configs_us = {
-            f"{'one' if c['ONE_PASS'] else 'two'}-pass {c['BLOCK']} x {c['num_warps']}w"
+            f"{'one' if c['ONE_PASS'] else 'two'}-pass {c['BLOCK']}"
+            + (f"+{c['BLOCK2']}" if c.get("BLOCK2") else "") + f" x {c['num_warps']}w"
             + (f" stash {c['CTAS_PER_SM']}/SM" if c.get("STASH") else ""):
             _us(lambda c=c: act_quant_triton(x, up, case.activation, config=c))
             for c in act_configs(x.shape[-1])}

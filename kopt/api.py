@@ -21,6 +21,7 @@ from kopt.capture import (
     input_signature,
 )
 from kopt.cudagraphs import CudaGraphRunner
+from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
@@ -143,20 +144,46 @@ class _Specialization:
         self.sources = [
             (attr(p.graph_module, s), p) for p in self.programs for s in p.sources
         ]
+        self.source_names = [s for p in self.programs for s in p.sources]
         self.versions = [t._version for t, _ in self.sources]
         self.runner: CudaGraphRunner | None = None
 
     def refresh_if_stale(self) -> None:
         """Re-run the load programs whose parameters were changed in place since packing."""
-        stale = {id(p): p for (t, p), v in zip(self.sources, self.versions, strict=True)
-                 if t._version != v}
-        for program in stale.values():
-            log.info("kopt: parameters changed in place; re-packing %d constants",
-                     len(program.targets))
+        stale: dict[int, tuple[LoadProgram, list[str]]] = {}
+        for (t, p), v, name in zip(self.sources, self.versions, self.source_names, strict=True):
+            if t._version != v:
+                stale.setdefault(id(p), (p, []))[1].append(name)
+        for program, changed in stale.values():
+            log.info("kopt: %s changed in place; re-packing %d constants",
+                     ", ".join(changed), len(program.targets))
             for name, value in zip(program.targets, program.run(), strict=True):
-                getattr(self.gm, name).copy_(value)
+                write_constant(getattr(self.gm, name), value, name)
         if stale:
             self.versions = [t._version for t, _ in self.sources]
+
+
+def write_constant(dst: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Write a re-packed constant into ``dst`` in place (a CUDA graph reads its address).
+
+    A broadcast constant (a stride-0 view, e.g. an ``expand`` folded at load time) holds one
+    element per memory location: the new value is written through that storage, which needs
+    it to be constant along the broadcast dimensions too; otherwise the packed graph cannot
+    hold it and this raises instead of keeping a stale constant."""
+    if dst.shape != value.shape:
+        raise KoptError(f"kopt: re-packed constant {name} has shape {tuple(value.shape)}, "
+                        f"the graph holds {tuple(dst.shape)}; re-optimize the model")
+    broadcast = [d for d in range(dst.dim()) if dst.stride(d) == 0 and dst.shape[d] > 1]
+    if not broadcast:
+        dst.copy_(value)
+        return
+    first = value
+    for d in broadcast:
+        first = first.narrow(d, 0, 1)
+    if not torch.equal(first.expand_as(value), value):
+        raise KoptError(f"kopt: re-packed constant {name} now varies along dims {broadcast}, "
+                        "which the graph holds broadcast; re-optimize the model")
+    dst.as_strided(first.shape, dst.stride()).copy_(first)
 
 
 class OptimizedModule:

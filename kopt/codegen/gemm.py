@@ -51,12 +51,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 from kopt.codegen import fp64_reference
+from kopt.codegen.ops import define
 from kopt.codegen.source import load_generated_module
 from kopt.errors import KoptError
 from kopt.kb import tuning as kb_tuning
@@ -582,20 +583,16 @@ def _check(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | No
     for o, t in zip(ops, extra, strict=True):
         if t.device != a.device:
             _fail(op, f"epilogue operand {o.name} is on {t.device}, a on {a.device}")
-        if o.kind == "full":
-            t = _rows(t, n, o.name, op)
-            if t.shape[0] != m:
-                _fail(op, f"epilogue operand {o.name} needs M * N = {m} x {n} values")
-        elif o.kind == "group":
-            t = _rows(t, n, o.name, op)
-            if t.shape[0] == 0 or m % t.shape[0]:
-                _fail(op, f"epilogue operand {o.name}: {t.shape[0]} rows do not divide M = {m}")
-        else:
+        if o.kind in ("row", "col", "scalar"):
             want = {"row": m, "col": n, "scalar": 1}[o.kind]
             if t.numel() != want:
                 _fail(op, f"epilogue operand {o.name} ({o.kind}) needs {want} values; got "
                           f"{t.numel()}")
-            t = t.reshape(-1)
+        t = _operand_view(o.kind, t, n, o.name, op)
+        if o.kind == "full" and t.shape[0] != m:
+            _fail(op, f"epilogue operand {o.name} needs M * N = {m} x {n} values")
+        if o.kind == "group" and (t.shape[0] == 0 or m % t.shape[0]):
+            _fail(op, f"epilogue operand {o.name}: {t.shape[0]} rows do not divide M = {m}")
         norm.append(t)
     return _Problem(m, n, k, fp8, g, r, tuple(norm))
 
@@ -717,6 +714,43 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What a call's launch depends on besides its tensors' data: made (checks included) once
+    per :func:`_launch_key` and reused while no knowledge-base session is active."""
+
+    m: int
+    n: int
+    use_tma: bool
+    kernel: Any  # the autotuner
+    tuning: kb_tuning.TuningKey | None
+    grid: Callable[[Mapping[str, int]], tuple[int]]
+    scalars: tuple[int, ...]  # m, n, k, M_BUCKET, programs, strides, gate rows: the kernel's
+    flags: dict[str, Any]  # constexpr flags
+    device: torch.device
+
+
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 1024  # bounded: dynamic shapes make new keys
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _launch_key(a: torch.Tensor, b: torch.Tensor, tensors: Sequence[torch.Tensor | None],
+                extra: Sequence[torch.Tensor], *options: Any) -> tuple:
+    """Shapes, strides, dtypes and the device of every operand, whether a and b are 16-byte
+    aligned (TMA needs it), and the call's options."""
+    return (_meta(a), _meta(b), a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0,
+            *(_meta(t) for t in tensors), *(_meta(t) for t in extra), *options)
+
+
+def _operand_view(kind: str, t: torch.Tensor, n: int, name: str, op: str) -> torch.Tensor:
+    """An epilogue operand as the kernel reads it: [rows, N] (``full``, ``group``) or flat."""
+    return _rows(t, n, name, op) if kind in ("full", "group") else t.reshape(-1)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
          scale_b: torch.Tensor | None = None, bias: torch.Tensor | None = None,
          gate: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -730,36 +764,86 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
     ``use_tma``: None picks TMA descriptors on sm_90+ when the operands allow them (row-major
     ``a``, K-major ``b``, 16-byte aligned), pointer loads otherwise (and on CPU); True forces
     TMA (the interpreter of triton >= 3.4 runs it too). ``configs`` overrides the autotune
-    list (tests). ``fp8`` as in :func:`gemm_reference`."""
-    import triton
+    list (tests). ``fp8`` as in :func:`gemm_reference`.
 
+    The checks, the config list, the autotuner and the kernel's scalar arguments depend only on
+    the operands' shapes, strides, dtypes, device and alignment and on the options: they are
+    worked out once per such key (a :class:`_Launch`) and reused, unless ``configs`` is given or
+    a knowledge-base session is active (it looks up and files tuned configs per call)."""
     fp8 = a.dtype == E4M3 if fp8 is None else fp8
     op = "kopt::fp8_gemm" if fp8 else "kopt::bf16_gemm"
-    p = _check(op, a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8,
-               epilogue, extra)
-    m, n, k = p.m, p.n, p.k
-    tuning = None
+    tensors = (scale_a, scale_b, bias, gate, residual)
+    key = None
+    launch = None
+    if configs is None and kb_tuning.active() is None:
+        key = _launch_key(a, b, tensors, extra, activation, out_dtype, epilogue, use_tma,
+                          fp8_fast_accum, fp8, cache_dir)
+        launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _plan_launch(op, a, b, scale_a, scale_b, bias, gate, residual, activation,
+                              out_dtype, epilogue, extra, use_tma, fp8_fast_accum, configs,
+                              cache_dir, fp8)
+        if key is not None:
+            if len(_LAUNCHES) >= _MAX_LAUNCHES:
+                _LAUNCHES.pop(next(iter(_LAUNCHES)), None)
+            _LAUNCHES[key] = launch
+    m, n = launch.m, launch.n
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
+    if launch.use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # block shapes are placeholders: the autotune pre-hook sets each config's tile
+        a_desc = TensorDescriptor.from_tensor(a, [16, 16])
+        b_desc = TensorDescriptor.from_tensor(b.t(), [16, 16])
+    else:
+        a_desc = b_desc = None
+    dummy = out  # a pointer for absent operands: never read (their flags are off)
+    sa = scale_a.reshape(-1) if scale_a is not None else dummy
+    sb = scale_b.reshape(-1) if scale_b is not None else dummy
+    g = _rows(gate, n, "gate", op) if gate is not None else dummy
+    r = _rows(residual, n, "residual", op) if residual is not None else dummy
+    extra_args: list[Any] = []
+    for o, t in zip(epilogue.operands if epilogue else (), extra, strict=True):
+        v = _operand_view(o.kind, t, n, o.name, op)
+        extra_args += [v, v.stride(0) if v.numel() > 1 else 0,
+                       m // v.shape[0] if o.kind == "group" else 1]
+    ctx = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
+    with ctx:
+        launch.kernel[launch.grid](
+            a, b, a_desc, b_desc, out, sa, sb, bias if bias is not None else dummy, g, r,
+            *extra_args, *launch.scalars, **launch.flags)
+    if launch.tuning is not None:
+        kb_tuning.record_winner(launch.tuning, launch.kernel)
+    return out
+
+
+def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,
+                 scale_b: torch.Tensor | None, bias: torch.Tensor | None,
+                 gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
+                 out_dtype: torch.dtype, epilogue: GemmEpilogue | None,
+                 extra: Sequence[torch.Tensor], use_tma: bool | None, fp8_fast_accum: bool,
+                 configs: list | None, cache_dir: Path | None, fp8: bool) -> _Launch:
+    """Check a call and work out its launch (see :func:`gemm`)."""
+    import triton
+
+    p = _check(op, a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8,
+               epilogue, extra)
+    m, n, k = p.m, p.n, p.k
+    if m == 0:
+        return _Launch(m, n, False, None, None, lambda meta: (0,), (), {}, a.device)
     bt = b.t()  # [N, K]; K-major when b is the .t() view of a row-major weight
     tma_ok = _tma_ok(a) and _tma_ok(bt)
     if use_tma is None:
         use_tma = tma_ok and a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9
     elif use_tma and not tma_ok:
         _fail(op, "use_tma=True needs row-major a and K-major b with 16-byte aligned rows")
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        # block shapes are placeholders: the autotune pre-hook sets each config's tile
-        a_desc = TensorDescriptor.from_tensor(a, [16, 16])
-        b_desc = TensorDescriptor.from_tensor(bt, [16, 16])
-    else:
-        a_desc = b_desc = None
     module = _kernel_module(epilogue, cache_dir)
     if not a.is_cuda and type(module.gemm_kernel).__name__ != "InterpretedFunction":
         _fail(op, f"the Triton kernel needs CUDA tensors (got {a.device}; CPU tensors run only "
                   "under TRITON_INTERPRET=1); the custom op runs the reference there")
+    tuning = None
     if configs is None:
         configs = gemm_configs(m_bucket(m), n, k, fp8, interpreted=not a.is_cuda)
         # start from the knowledge base's winner for this key, if it has one
@@ -767,44 +851,28 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
                              fp8 and not fp8_fast_accum)
         configs = kb_tuning.configs_for(tuning, configs, _config_from_params)
     kernel = _tuner(module, configs, tuning)
-
-    dummy = out  # a pointer for absent operands: never read (their flags are off)
-    sa = scale_a.reshape(-1) if scale_a is not None else dummy
-    sb = scale_b.reshape(-1) if scale_b is not None else dummy
-    g, r = p.gate, p.residual
-    extra_args = []
-    for o, t in zip(epilogue.operands if epilogue else (), p.extra, strict=True):
-        stride = t.stride(0) if t.numel() > 1 else 0
-        group = m // t.shape[0] if o.kind == "group" else 1
-        extra_args += [t, stride, group]
     programs = _programs(a.device)
 
     def grid(meta: Mapping[str, int]) -> tuple[int]:
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
         return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
 
-    ctx = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
-    with ctx:
-        kernel[grid](
-            a, b, a_desc, b_desc, out,
-            sa, sb, bias if bias is not None else dummy, g if g is not None else dummy,
-            r if r is not None else dummy,
-            *extra_args,
-            m, n, k, m_bucket(m), programs,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-            sa.stride(0) if sa.numel() > 1 else 0,
-            sb.stride(0) if sb.numel() > 1 else 0,
-            g.stride(0) if g is not None else 0, m // g.shape[0] if g is not None else 1,
-            r.stride(0) if r is not None else 0,
-            USE_TMA=use_tma,
-            PRECISE_ACC=fp8 and not fp8_fast_accum,
-            DOT_IN_FP32=not a.is_cuda and a.dtype == torch.bfloat16,
-            HAS_SCALES=fp8, HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation],
-            HAS_GATE=g is not None, HAS_RESIDUAL=r is not None,
-        )
-    if tuning is not None:
-        kb_tuning.record_winner(tuning, kernel)
-    return out
+    g, r = p.gate, p.residual
+    sa_stride = scale_a.reshape(-1).stride(0) if scale_a is not None and scale_a.numel() > 1 \
+        else 0
+    sb_stride = scale_b.reshape(-1).stride(0) if scale_b is not None and scale_b.numel() > 1 \
+        else 0
+    scalars = (m, n, k, m_bucket(m), programs,
+               a.stride(0), a.stride(1), b.stride(0), b.stride(1), n,  # out: [m, n] contiguous
+               sa_stride, sb_stride,
+               g.stride(0) if g is not None else 0, m // g.shape[0] if g is not None else 1,
+               r.stride(0) if r is not None else 0)
+    flags = dict(
+        USE_TMA=use_tma, PRECISE_ACC=fp8 and not fp8_fast_accum,
+        DOT_IN_FP32=not a.is_cuda and a.dtype == torch.bfloat16,
+        HAS_SCALES=fp8, HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation],
+        HAS_GATE=g is not None, HAS_RESIDUAL=r is not None)
+    return _Launch(m, n, use_tma, kernel, tuning, grid, scalars, flags, a.device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,34 +885,40 @@ def _triton_ready(a: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(a.device) >= (9, 0)
 
 
-@torch.library.custom_op("kopt::fp8_gemm", mutates_args=())
-def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-             bias: torch.Tensor | None, gate: torch.Tensor | None,
-             residual: torch.Tensor | None, activation: str,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """``rnd(residual + rnd(gate * rnd(act(rnd(a @ b * scale_a * scale_b + bias)))))``, e4m3
-    operands, ``b`` [K, N] column-major. The reference on devices without the Triton kernel."""
+def _fp8_gemm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                        scale_b: torch.Tensor, bias: torch.Tensor | None,
+                        gate: torch.Tensor | None, residual: torch.Tensor | None,
+                        activation: str, out_dtype: torch.dtype) -> torch.Tensor:
     return gemm_reference(a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype,
                           fp8=True)
 
 
-@fp8_gemm.register_kernel("cuda")
-def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-      bias: torch.Tensor | None, gate: torch.Tensor | None, residual: torch.Tensor | None,
-      activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+def _fp8_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                   scale_b: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor | None,
+                   residual: torch.Tensor | None, activation: str,
+                   out_dtype: torch.dtype) -> torch.Tensor:
     if not _triton_ready(a):
-        return gemm_reference(a, b, scale_a, scale_b, bias, gate, residual, activation,
-                              out_dtype, fp8=True)
+        return _fp8_gemm_reference(a, b, scale_a, scale_b, bias, gate, residual, activation,
+                                   out_dtype)
     return gemm(a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8=True)
 
 
-@fp8_gemm.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-      bias: torch.Tensor | None, gate: torch.Tensor | None, residual: torch.Tensor | None,
-      activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                   scale_b: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor | None,
+                   residual: torch.Tensor | None, activation: str,
+                   out_dtype: torch.dtype) -> torch.Tensor:
     p = _check("kopt::fp8_gemm", a, b, scale_a, scale_b, bias, gate, residual, activation,
                out_dtype, True)
     return a.new_empty((p.m, p.n), dtype=out_dtype)
+
+
+# ``rnd(residual + rnd(gate * rnd(act(rnd(a @ b * scale_a * scale_b + bias)))))``, e4m3 operands,
+# ``b`` [K, N] column-major; the reference on devices without the Triton kernel. Registered
+# without torch.library.custom_op's Python layers (kopt.codegen.ops), as every hot kopt op.
+fp8_gemm = define(
+    "fp8_gemm", "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, "
+    "Tensor? gate, Tensor? residual, str activation, ScalarType out_dtype) -> Tensor",
+    _fp8_gemm_reference, fake=_fp8_gemm_fake, cuda=_fp8_gemm_cuda)
 
 
 def _epilogue64(y: torch.Tensor, gate: torch.Tensor | None, residual: torch.Tensor | None,
@@ -872,31 +946,35 @@ def _fp8_gemm64(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b
     return _epilogue64(y if bias is None else y + bias.double(), gate, residual, activation)
 
 
-@torch.library.custom_op("kopt::bf16_gemm", mutates_args=())
-def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-              gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """``rnd(residual + rnd(gate * rnd(act(rnd(a @ b + bias)))))`` for bf16/fp16 operands,
-    ``b`` [K, N] (column-major fastest). The reference on devices without the Triton kernel."""
+def _bf16_gemm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                         gate: torch.Tensor | None, residual: torch.Tensor | None,
+                         activation: str, out_dtype: torch.dtype) -> torch.Tensor:
     return gemm_reference(a, b, None, None, bias, gate, residual, activation, out_dtype,
                           fp8=False)
 
 
-@bf16_gemm.register_kernel("cuda")
-def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor | None,
-      residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+def _bf16_gemm_cuda(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                    gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
+                    out_dtype: torch.dtype) -> torch.Tensor:
     if not _triton_ready(a):
-        return gemm_reference(a, b, None, None, bias, gate, residual, activation, out_dtype,
-                              fp8=False)
+        return _bf16_gemm_reference(a, b, bias, gate, residual, activation, out_dtype)
     return gemm(a, b, None, None, bias, gate, residual, activation, out_dtype, fp8=False)
 
 
-@bf16_gemm.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor | None,
-      residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+def _bf16_gemm_fake(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                    gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
+                    out_dtype: torch.dtype) -> torch.Tensor:
     p = _check("kopt::bf16_gemm", a, b, None, None, bias, gate, residual, activation, out_dtype,
                False)
     return a.new_empty((p.m, p.n), dtype=out_dtype)
+
+
+# ``rnd(residual + rnd(gate * rnd(act(rnd(a @ b + bias)))))`` for bf16/fp16 operands, ``b``
+# [K, N] (column-major fastest); the reference on devices without the Triton kernel.
+bf16_gemm = define(
+    "bf16_gemm", "(Tensor a, Tensor b, Tensor? bias, Tensor? gate, Tensor? residual, "
+    "str activation, ScalarType out_dtype) -> Tensor",
+    _bf16_gemm_reference, fake=_bf16_gemm_fake, cuda=_bf16_gemm_cuda)
 
 
 _DEFINED: dict[str, tuple[GemmEpilogue, object]] = {}

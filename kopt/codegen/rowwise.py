@@ -19,7 +19,10 @@ A :class:`RowwiseSpec` (JSON on the op) says which steps and outputs exist; the 
 Triton source generated from kopt's template (constexpr flags for the steps, generated lines for
 the epilogue), written to a module file keyed by its hash, and compiled per spec and shape class
 by Triton's cache. Nothing in a spec is executed: it only selects flags and provides a validated
-PointwiseProgram, which is translated by kopt's own code.
+PointwiseProgram, which is translated by kopt's own code. A row whose width is not a power of
+two runs as two power-of-two tiles where the spec quantizes (:func:`row_split`: 3072 = 2048 +
+1024; the template emits the per-tile steps once per tile and sums the row reductions): the
+quantizers make these kernels bound by instructions per lane, masked lanes included.
 
 Numerics, per feature, against the unfused eager ops on the same device:
 
@@ -55,6 +58,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -76,6 +80,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     mirror_cuda,
     quant_fp8_group_reference,
     quant_fp8_rowwise_reference,
+    row_split,
     row_tiling,
 )
 from kopt.codegen.ops import define
@@ -102,6 +107,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "fp8_group": ("fp8_group", "fp8_group_scale"),
     "nvfp4": ("nvfp4", "nvfp4_scale"),
 }
+QUANTIZED = {"fp8_row", "fp8_group", "nvfp4"}  # the outputs that quantize
 EPILOGUE_INPUT = "x"  # the epilogue's operand that receives the (normalised, modulated) rows
 
 
@@ -506,7 +512,7 @@ import triton
 import triton.language as tl
 
 from kopt.codegen.kernels.nvfp4 import nvfp4_store
-from kopt.codegen.kernels.quant_fp8 import fp8_group_store, fp8_rowwise_store
+from kopt.codegen.kernels.quant_fp8 import fp8_group_store, fp8_row_scale, fp8_rowwise_write
 {imports}
 
 
@@ -521,82 +527,134 @@ def rowwise_kernel(
     MODULATION: tl.constexpr, OUT: tl.constexpr, RES_OUT: tl.constexpr,
     FP8_ROW: tl.constexpr, FP8_GROUP: tl.constexpr, NVFP4: tl.constexpr,
     SDT: tl.constexpr, ODT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    CUDA: tl.constexpr,
+    BLOCK2: tl.constexpr, CUDA: tl.constexpr,
 ):
-    """ROWS rows per program, each row one BLOCK-wide tile in fp32; NORM: 0 none, 1 layer,
-    2 rms; XDT: x's dtype; SDT: the dtype every step rounds to (XDT, or 0 = fp32: no rounding
-    between steps, the outputs rounded once, to XDT and ODT, the result's dtype); dtype codes
-    0 fp32, 1 bf16, 2 fp16."""
+    """ROWS rows per program, each row one BLOCK-wide tile in fp32, or two (BLOCK columns,
+    then BLOCK2 > 0 more: fewer masked lanes, ``row_split``), whose row reductions are summed;
+    NORM: 0 none, 1 layer, 2 rms; XDT: x's dtype; SDT: the dtype every step rounds to (XDT,
+    or 0 = fp32: no rounding between steps, the outputs rounded once, to XDT and ODT, the
+    result's dtype); dtype codes 0 fp32, 1 bf16, 2 fp16."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    col = tl.arange(0, BLOCK)
     rmask = row < rows
-    cmask = col < cols
-    mask = rmask[:, None] & cmask[None, :]
     row64 = row.to(tl.int64)
-    out_offs = row64[:, None] * cols + col[None, :]
-    h = tl.load(x_ptr + row64[:, None] * stride_x + col[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    if RESIDUAL:
-        t = tl.load(y_ptr + row64[:, None] * stride_y + col[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        if RBIAS:
-            rb = tl.load(rbias_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-            t = pw_round(t + rb[None, :], SDT, CUDA)
-        if GATE:
-            item = (row // tokens_gate).to(tl.int64)
-            gt = tl.load(gate_ptr + item[:, None] * stride_gate + col[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-            t = pw_round(gt * t, SDT, CUDA)
-        h = pw_round(h + t, SDT, CUDA)
-        if SDT != XDT:  # the residual stream is a tensor of x's dtype: the norm reads it so
-            h = pw_round(h, XDT, CUDA)
-        if RES_OUT:
-            tl.store(res_ptr + out_offs, h.to(res_ptr.dtype.element_ty), mask=mask)
-    n = h
+    col = tl.arange(0, BLOCK)
+{pre_a}
+    h_a = h
+    if BLOCK2 > 0:
+        col = BLOCK + tl.arange(0, BLOCK2)
+{pre_b}
+        h_b = h
     if NORM != 0:
         if NORM == 1:
-            mean = tl.sum(h, axis=1) * inv_cols
-            d = tl.where(mask, h - mean[:, None], 0.0)
+            total = tl.sum(h_a, axis=1)
+            if BLOCK2 > 0:
+                total += tl.sum(h_b, axis=1)
+            mean = total * inv_cols
+            d = tl.where(rmask[:, None] & (tl.arange(0, BLOCK) < cols)[None, :],
+                         h_a - mean[:, None], 0.0)
+            squares = tl.sum(d * d, axis=1)
+            if BLOCK2 > 0:
+                d = tl.where(rmask[:, None] & (BLOCK + tl.arange(0, BLOCK2) < cols)[None, :],
+                             h_b - mean[:, None], 0.0)
+                squares += tl.sum(d * d, axis=1)
         else:
-            d = h
-        rstd = pw_rsqrt(tl.sum(d * d, axis=1) * inv_cols + eps, CUDA)
-        n = d * rstd[:, None]
+            squares = tl.sum(h_a * h_a, axis=1)
+            if BLOCK2 > 0:
+                squares += tl.sum(h_b * h_b, axis=1)
+        rstd = pw_rsqrt(squares * inv_cols + eps, CUDA)
+    col = tl.arange(0, BLOCK)
+    h = h_a
+{post_a}
+    r_a = r
+    if BLOCK2 > 0:
+        col = BLOCK + tl.arange(0, BLOCK2)
+        h = h_b
+{post_b}
+        r_b = r
+    if FP8_ROW:
+        amax = tl.max(tl.abs(r_a), axis=1)
+        if BLOCK2 > 0:
+            amax = tl.maximum(amax, tl.max(tl.abs(r_b), axis=1))
+        scale8 = fp8_row_scale(amax, CUDA)
+        fp8_rowwise_write(r_a, scale8, row, rows, tl.arange(0, BLOCK), cols, q8_ptr, CUDA)
+        if BLOCK2 > 0:
+            fp8_rowwise_write(r_b, scale8, row, rows, BLOCK + tl.arange(0, BLOCK2), cols, q8_ptr,
+                              CUDA)
+        tl.store(s8_ptr + row, scale8, mask=rmask)
+'''
+
+# One tile of a row, before the norm: x (+ gate * (y + residual bias)) -> h (and the residual
+# output). Reads row, rmask, row64, col; defines h, and cmask, mask, out_offs for the tile.
+_PRE = """\
+cmask = col < cols
+mask = rmask[:, None] & cmask[None, :]
+out_offs = row64[:, None] * cols + col[None, :]
+h = tl.load(x_ptr + row64[:, None] * stride_x + col[None, :], mask=mask,
+            other=0.0).to(tl.float32)
+if RESIDUAL:
+    t = tl.load(y_ptr + row64[:, None] * stride_y + col[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    if RBIAS:
+        rb = tl.load(rbias_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        t = pw_round(t + rb[None, :], SDT, CUDA)
+    if GATE:
+        item = (row // tokens_gate).to(tl.int64)
+        gt = tl.load(gate_ptr + item[:, None] * stride_gate + col[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        t = pw_round(gt * t, SDT, CUDA)
+    h = pw_round(h + t, SDT, CUDA)
+    if SDT != XDT:  # the residual stream is a tensor of x's dtype: the norm reads it so
+        h = pw_round(h, XDT, CUDA)
+    if RES_OUT:
+        tl.store(res_ptr + out_offs, h.to(res_ptr.dtype.element_ty), mask=mask)"""
+
+# One tile after the row's statistics (mean, rstd): the norm's affine, modulation, epilogue,
+# and every output but the per-row FP8 one (which needs the whole row's amax); defines r.
+_POST = """\
+cmask = col < cols
+mask = rmask[:, None] & cmask[None, :]
+out_offs = row64[:, None] * cols + col[None, :]
+n = h
+if NORM != 0:
+    if NORM == 1:
+        d = tl.where(mask, h - mean[:, None], 0.0)
+    else:
+        d = h
+    n = d * rstd[:, None]
+    if AFTER_ROUND:
+        n = pw_round(n, SDT, CUDA)
+    if WEIGHT:
+        w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        n = n * w[None, :]
         if AFTER_ROUND:
             n = pw_round(n, SDT, CUDA)
-        if WEIGHT:
-            w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-            n = n * w[None, :]
-            if AFTER_ROUND:
-                n = pw_round(n, SDT, CUDA)
-        if BIAS:
-            bb = tl.load(b_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-            n = n + bb[None, :]
-            if AFTER_ROUND:
-                n = pw_round(n, SDT, CUDA)
-        if not AFTER_ROUND:
+    if BIAS:
+        bb = tl.load(b_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        n = n + bb[None, :]
+        if AFTER_ROUND:
             n = pw_round(n, SDT, CUDA)
-    if MODULATION:
-        item = (row // tokens_mod).to(tl.int64)
-        sc = tl.load(scale_ptr + item[:, None] * stride_scale + col[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-        sh = tl.load(shift_ptr + item[:, None] * stride_shift + col[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-        n = pw_round(pw_round(1.0 + sc, SDT, CUDA) * n, SDT, CUDA)
-        n = pw_round(n + sh, SDT, CUDA)
+    if not AFTER_ROUND:
+        n = pw_round(n, SDT, CUDA)
+if MODULATION:
+    item = (row // tokens_mod).to(tl.int64)
+    sc = tl.load(scale_ptr + item[:, None] * stride_scale + col[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + item[:, None] * stride_shift + col[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    n = pw_round(pw_round(1.0 + sc, SDT, CUDA) * n, SDT, CUDA)
+    n = pw_round(n + sh, SDT, CUDA)
 {ep_body}
-    r = tl.where(mask, {result}, 0.0)
-    if OUT:
-        ro = r
-        if SDT != XDT and not CUDA:
-            ro = pw_round(r, ODT, CUDA)
-        tl.store(out_ptr + out_offs, ro.to(out_ptr.dtype.element_ty), mask=mask)
-    if FP8_ROW:
-        fp8_rowwise_store(r, row, rows, col, cols, q8_ptr, s8_ptr, CUDA)
-    if FP8_GROUP:
-        fp8_group_store(r, row, rows, col, cols, qg_ptr, sg_ptr, ROWS, BLOCK, CUDA)
-    if NVFP4:
-        nvfp4_store(r, row, rows, col, cols, q4_ptr, s4_ptr, tl.load(g_ptr), ROWS, BLOCK, CUDA)
-'''
+r = tl.where(mask, {result}, 0.0)
+if OUT:
+    ro = r
+    if SDT != XDT and not CUDA:
+        ro = pw_round(r, ODT, CUDA)
+    tl.store(out_ptr + out_offs, ro.to(out_ptr.dtype.element_ty), mask=mask)
+if FP8_GROUP:
+    fp8_group_store(r, row, rows, col, cols, qg_ptr, sg_ptr, ROWS, {width}, {c0}, CUDA)
+if NVFP4:
+    nvfp4_store(r, row, rows, col, cols, q4_ptr, s4_ptr, tl.load(g_ptr), ROWS, {width}, {c0},
+                CUDA)"""
 
 _LOADS = {
     "tile": "tl.load({p}_ptr + row64[:, None] * {p}_stride + col[None, :], mask=mask, "
@@ -626,10 +684,15 @@ def kernel_source(epilogue: PointwiseProgram | None, round_steps: bool = True) -
         lines, outs = epilogue.triton_source(names, prefix="e", round_steps=round_steps)
         body += lines
         result = outs[0]
+    def post(width: str, c0: str) -> str:
+        return _POST.format(ep_body="\n".join(body), result=result, width=width, c0=c0)
+
     return _TEMPLATE.format(
         epilogue=epilogue.to_json() if epilogue is not None else "none",
         imports=TRITON_IMPORTS, ep_params=params,
-        ep_body="\n".join(f"    {line}" for line in body), result=result,
+        pre_a=textwrap.indent(_PRE, " " * 4), pre_b=textwrap.indent(_PRE, " " * 8),
+        post_a=textwrap.indent(post("BLOCK", "0"), " " * 4),
+        post_b=textwrap.indent(post("BLOCK2", "BLOCK"), " " * 8),
     )
 
 
@@ -655,7 +718,7 @@ class Launch:
     kernel: Any
     grid: tuple[int]
     args: list[Any]  # positional, in the kernel's order
-    constexprs: dict[str, Any]  # flags, ROWS, BLOCK, CUDA
+    constexprs: dict[str, Any]  # flags, ROWS, BLOCK, BLOCK2, CUDA
     num_warps: int
     outputs: dict[str, torch.Tensor]
 
@@ -696,8 +759,9 @@ class _Plan:
 
 
 def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
-          rows_per: int | None = None) -> _Plan:
-    """Check the call and work out its launch (``rows_per`` overrides the tiling's choice)."""
+          rows_per: int | None = None, one_tile: bool = False) -> _Plan:
+    """Check the call and work out its launch (``rows_per`` overrides the tiling's choice;
+    ``one_tile``: a row in one power-of-two tile even where :func:`row_split` splits it)."""
     c = _check_call(spec, inputs)
     out = _allocate(c)
     allocs = tuple((n, tuple(v.shape), v.stride(), v.dtype) for n, v in out.items())
@@ -706,7 +770,15 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
         return _Plan(None, (0,), (), (), (), {}, 0, allocs, c.x.device)
     min_block = 128 if "fp8_group" in spec.outputs else 64 if "nvfp4" in spec.outputs else 16
     launch_rows = nvfp4_launch_rows(rows) if "nvfp4" in spec.outputs else rows
-    block, tiled_rows, warps = row_tiling(cols, launch_rows, min_block)
+    _, tiled_rows, warps = row_tiling(cols, launch_rows, min_block)
+    block, block2 = row_split(cols, min_block)
+    if one_tile or not set(spec.outputs) & QUANTIZED:
+        # the split pays off where the quantizers make the kernel instruction-bound; on the
+        # H200 (session 14, W1/W2 rows): FP8-producing specs 8-24% faster split, the bf16-only
+        # ones within -3..+1% (gated residual + LayerNorm + modulation 29.4 -> 29.9 us)
+        block, block2 = max(triton.next_power_of_2(cols), min_block), 0
+    if block2:
+        warps = split_warps(cols * tiled_rows)
     if rows_per is None:
         rows_per = tiled_rows
     elif rows_per < 1 or rows_per & (rows_per - 1):
@@ -748,7 +820,7 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
         FP8_GROUP="fp8_group" in out, NVFP4="nvfp4" in out,
         SDT=DT_CODE[spec.dtype] if spec.intermediates == "eager" else 0,
         ODT=DT_CODE[DTYPE_NAMES[spec.result_dtype]], ROWS=rows_per, BLOCK=block,
-        CUDA=mirror_cuda(kernel, x),
+        BLOCK2=block2, CUDA=mirror_cuda(kernel, x),
     )
     index = {n: k for k, n in enumerate(spec.input_names())}
     views = {"x": x, **t}
@@ -765,6 +837,14 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
     scalars = tuple(None if isinstance(a, _In | _Out) else a for a in args)
     return _Plan(kernel, (triton.cdiv(launch_rows, rows_per),), scalars, ins, outs, constexprs,
                  warps, allocs, x.device)
+
+
+def split_warps(values: int) -> int:
+    """Warps for a program of ``values`` row values held as two tiles: about 48 per thread.
+    Swept on the H200 (session 14, LayerNorm + adaLN + FP8 at 12 rows x warps tilings, one row
+    per program): W1's 3072-wide rows 22.3 us at 2 warps against 24.4 at the one-tile rule's 4,
+    W2's 6144-wide 43.9 us at 4 against 52.0 at 8; the 1x128 variant within 2% either way."""
+    return max(1, min(16, 1 << max(0, (values // (32 * 48)).bit_length() - 1)))
 
 
 def _plan_key(spec: RowwiseSpec, inputs: Sequence[torch.Tensor]) -> tuple:
@@ -807,16 +887,19 @@ def _assemble(plan: _Plan, inputs: Sequence[torch.Tensor], num_warps: int | None
 
 
 def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
-                   num_warps: int | None = None, rows_per: int | None = None) -> Launch:
+                   num_warps: int | None = None, rows_per: int | None = None,
+                   one_tile: bool = False) -> Launch:
     """Check the call, allocate its outputs and build the kernel's arguments (``kernel`` is None
-    when there is nothing to compute: no rows or no columns). ``num_warps`` and ``rows_per``
-    (rows per program, a power of two) override the tiling's choice (benchmarks sweep them).
+    when there is nothing to compute: no rows or no columns). ``num_warps``, ``rows_per``
+    (rows per program, a power of two) and ``one_tile`` (no row split) override the tiling's
+    choice (benchmarks sweep them).
 
     The checks and everything else that depends only on the spec and the inputs' shapes,
     strides, dtypes and devices run once per such key (a :class:`_Plan`, cached); a call of a
     known key only allocates its outputs and places its tensors (eager models launch hundreds
     of these per step and are bound by the host)."""
-    plan = _cached_plan(spec, inputs) if rows_per is None else _plan(spec, inputs, rows_per)
+    plan = (_cached_plan(spec, inputs) if rows_per is None and not one_tile
+            else _plan(spec, inputs, rows_per, one_tile))
     return _assemble(plan, inputs, num_warps)
 
 
@@ -828,10 +911,13 @@ def _run(launch: Launch) -> None:
 
 def rowwise_triton(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
                    num_warps: int | None = None,
-                   rows_per: int | None = None) -> dict[str, torch.Tensor]:
+                   rows_per: int | None = None, one_tile: bool = False
+                   ) -> dict[str, torch.Tensor]:
     """Run ``spec`` with its Triton kernel (on CUDA, or on CPU tensors in the interpreter).
-    ``num_warps`` and ``rows_per`` override the tiling's choice (for benchmarks sweeping it)."""
-    launch = prepare_launch(spec, inputs, num_warps=num_warps, rows_per=rows_per)
+    ``num_warps``, ``rows_per`` and ``one_tile`` override the tiling's choice (for benchmarks
+    sweeping it)."""
+    launch = prepare_launch(spec, inputs, num_warps=num_warps, rows_per=rows_per,
+                            one_tile=one_tile)
     if launch.kernel is None:
         return launch.outputs
     x = launch.args[0]

@@ -180,6 +180,35 @@ def test_generated_epilogue_lines_are_spliced_and_match_their_reference(use_tma:
     assert_matches(out, ref)
 
 
+def test_a_repeated_call_reuses_its_launch_and_reads_this_calls_tensors() -> None:
+    """The second call of the same shapes takes the cached launch (no checks, no config list):
+    it must still read its own operands, including a generated epilogue's; a call whose
+    operand differs in dtype, shape or device is checked again."""
+    from kopt.codegen import gemm as g
+
+    m, n, k = 36, 48, 80
+    g._LAUNCHES.clear()
+    outs = []
+    for _ in range(2):
+        a, b, sa, sb = fp8_operands(m, n, k)
+        extra = epilogue_extra(m, n)
+        bias, gate, res, act = epilogue_operands(m, n, EPILOGUES["all"])
+        out = gemm(a, b, sa, sb, bias, gate, res, act, BF16, epilogue=EPILOGUE, extra=extra)
+        outs.append(out)
+        assert_matches(out, gemm_reference(a, b, sa, sb, bias, gate, res, act, BF16,
+                                           epilogue=EPILOGUE, extra=extra,
+                                           epilogue_reference=epilogue_reference))
+        assert len(g._LAUNCHES) == 1  # made by the first call, reused by the second
+    assert not torch.equal(outs[0], outs[1])
+    with pytest.raises(GemmInputError, match="bias must be"):
+        gemm(a, b, sa, sb, bias.half(), gate, res, act, BF16, epilogue=EPILOGUE, extra=extra)
+    with pytest.raises(GemmInputError, match="residual has shape"):
+        gemm(a, b, sa, sb, bias, gate, res[:-1], act, BF16, epilogue=EPILOGUE, extra=extra)
+    with pytest.raises(GemmInputError, match="is on meta"):
+        gemm(a, b, sa, sb, bias.to("meta"), gate, res, act, BF16, epilogue=EPILOGUE,
+             extra=extra)
+
+
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointer", "tma"])
 def test_persistent_programs_walk_every_tile(use_tma: bool) -> None:
     """3 programs (the interpreter's 'SMs') over 3 x 2 tiles of 16 x 32 (partial ones in both

@@ -31,7 +31,7 @@ from kopt.codegen.kernels.quant_fp8 import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
-SHAPES = [(1, 16), (7, 129), (3, 5, 300), (2, 4000)]
+SHAPES = [(1, 16), (7, 129), (3, 5, 300), (2, 4000), (3, 3072)]  # 3072: two tiles
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -67,6 +67,16 @@ def test_fp8_group_kernel_is_the_reference(shape: tuple, dtype: torch.dtype) -> 
     assert torch.equal(_bits(q), _bits(qr)) and torch.equal(s, sr)
 
 
+def test_rows_split_into_two_power_of_two_tiles_where_that_pads_fewer_lanes() -> None:
+    from kopt.codegen.kernels.quant_fp8 import row_split
+
+    assert row_split(3072) == (2048, 1024) and row_split(6144) == (4096, 2048)
+    assert row_split(12288) == (8192, 4096) and row_split(2100) == (2048, 64)
+    assert row_split(4096) == (4096, 0) and row_split(100) == (128, 0)  # 64 + 64 pads as many
+    assert row_split(300, 128) == (256, 128) and row_split(200, 128) == (256, 0)
+    assert row_split(3072, 4096) == (4096, 0)  # the minimum tile holds the row
+
+
 def test_fp8_group_scales_are_per_128_columns() -> None:
     x = torch.ones(3, 300)
     x[1, 130] = 448.0 * 5  # only group 1 of row 1 sees it
@@ -98,7 +108,7 @@ def test_fp8_ops_fake_and_real_agree() -> None:
     torch.library.opcheck(quant_fp8_group, (_data((3, 5, 200), torch.bfloat16),))
 
 
-@pytest.mark.parametrize("shape", [(1, 16), (7, 144), (3, 5, 320), (130, 64)])
+@pytest.mark.parametrize("shape", [(1, 16), (7, 144), (3, 5, 320), (130, 64), (2, 3072)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nvfp4_kernel_is_the_reference(shape: tuple, dtype: torch.dtype) -> None:
     x = _data(shape, dtype)

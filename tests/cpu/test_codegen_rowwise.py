@@ -214,9 +214,10 @@ def test_intermediates_in_the_spec() -> None:
 
 # -- the kernel against the unfused ops ----------------------------------------------------------
 
-@pytest.mark.parametrize("b, t, c", [(1, 1, 16), (2, 65, 80), (1, 3, 208)])
+@pytest.mark.parametrize("b, t, c", [(1, 1, 16), (2, 65, 80), (1, 3, 208), (2, 3, 384)])
 def test_prologue_and_modulation_are_bitwise(b: int, t: int, c: int) -> None:
-    # 2 x 65 = 130 rows: the NVFP4 scales span two 128-row tiles; 80 and 208 are not powers of 2
+    # 2 x 65 = 130 rows: the NVFP4 scales span two 128-row tiles; 80 and 208 are not powers of 2;
+    # 384 runs as two tiles (256 + 128 columns)
     spec = RowwiseSpec("bfloat16", residual=True, residual_bias=True, gate=True,
                        modulation=True, outputs=ALL_OUTPUTS)
     assert spec.tier == "exact"
@@ -231,8 +232,8 @@ def test_prologue_and_modulation_are_bitwise(b: int, t: int, c: int) -> None:
         assert not torch.equal(fewer, ref["out"])
 
 
-@pytest.mark.parametrize("b, t, c", [(1, 1, 200), (2, 3, 200), (1, 2, 4000)])
-def test_layernorm_adaln_fp8_within_tier(b: int, t: int, c: int) -> None:
+@pytest.mark.parametrize("b, t, c", [(1, 1, 200), (2, 3, 200), (1, 2, 4000), (1, 2, 3072)])
+def test_layernorm_adaln_fp8_within_tier(b: int, t: int, c: int) -> None:  # 3072: two tiles
     # W1/W2's pre-attention norm: LayerNorm without affine, adaLN modulation, FP8 for the GEMM
     spec = RowwiseSpec("bfloat16", norm="layer", eps=1e-6, modulation=True,
                        outputs=("out", "fp8_row", "fp8_group"))
@@ -545,10 +546,10 @@ for spec in specs:
                      launch.num_warps))
 for grouped in (False, True):
     ptx.append(build(qf._quant_fp8_kernel, [x, x.view(torch.uint8), torch.rand(1), 1, c, c],
-                     dict(GROUPED=grouped, ROWS=1, BLOCK=4096, CUDA=True), 8))
+                     dict(GROUPED=grouped, ROWS=1, BLOCK=2048, BLOCK2=1024, CUDA=True), 8))
 ptx.append(build(nv._quant_nvfp4_kernel, [x, x.view(torch.uint8), x.view(torch.uint8),
                                           torch.rand(1), 1, c, c],
-                 dict(ROWS=1, BLOCK=4096, CUDA=True), 8))
+                 dict(ROWS=1, BLOCK=2048, BLOCK2=1024, CUDA=True), 8))
 for i, p in enumerate(ptx):
     print(i, "e4m3" if "cvt.rn.satfinite.e4m3x2.f32" in p else "-",
           "div.rn" if "div.rn.f32" in p else "-", "bf16" if "cvt.rn.bf16.f32" in p else "-",
@@ -767,3 +768,19 @@ def test_the_plan_cache_is_bounded(plans: dict, monkeypatch: pytest.MonkeyPatch)
     for ins in calls:
         prepare_launch(spec, ins)
     assert list(plans) == [rw._plan_key(spec, ins) for ins in calls[1:]]  # the oldest went
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_row_in_two_tiles_is_the_one_tile_row(norm: str) -> None:
+    """384 columns run as 256 + 128 (``row_split``): every output bitwise the one-tile kernel's
+    but the norm's, whose row sums are added in another order (its tier: tolerance)."""
+    spec = RowwiseSpec("bfloat16", norm=norm, residual=True, gate=True, modulation=True,
+                       outputs=("out", "residual", "fp8_row", "fp8_group", "nvfp4"))
+    ins = _inputs(spec, 2, 3, 384)
+    args = [ins[n] for n in spec.input_names()]
+    assert prepare_launch(spec, args).constexprs["BLOCK2"] == 128
+    assert prepare_launch(spec, args, one_tile=True).constexprs["BLOCK2"] == 0
+    split, whole = rowwise_triton(spec, args), rowwise_triton(spec, args, one_tile=True)
+    assert _bitwise(split["residual"], whole["residual"])
+    torch.testing.assert_close(split["out"].float(), whole["out"].float(), rtol=8e-3, atol=1e-5)
+    _quantized_from_out(spec, ins, split)

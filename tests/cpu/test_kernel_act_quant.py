@@ -153,7 +153,8 @@ def test_rejects_what_it_cannot_compute() -> None:
     {"BLOCK": 512, "ONE_PASS": False, "STASH": False, "num_warps": 4},
     {"BLOCK": 256, "ONE_PASS": False, "STASH": True, "num_warps": 4},
     {"BLOCK": 1024, "ONE_PASS": True, "num_warps": 8},
-], ids=["two-pass-recomputed", "two-pass-stashed", "one-pass-wider-block"])
+    {"BLOCK": 512, "BLOCK2": 512, "ONE_PASS": True, "num_warps": 4},
+], ids=["two-pass-recomputed", "two-pass-stashed", "one-pass-wider-block", "one-pass-two-tiles"])
 def test_config_override_keeps_the_result(config: dict) -> None:
     """Benchmarks sweep the launch config: every config computes the same bits (the two-pass
     form recomputes the activation or reads it back from the stash, 5 rows on fewer persistent
@@ -169,6 +170,9 @@ def test_config_override_rejects_a_block_shorter_than_the_row() -> None:
     with pytest.raises(ValueError, match="cannot hold rows of 300"):
         act_quant_triton(gate, None, "gelu_tanh", config={"BLOCK": 256, "ONE_PASS": True,
                                                          "num_warps": 4})
+    with pytest.raises(ValueError, match="block of 288 cannot hold rows of 300"):
+        act_quant_triton(gate, None, "gelu_tanh", config={"BLOCK": 256, "BLOCK2": 32,
+                                                         "ONE_PASS": True, "num_warps": 4})
 
 
 @pytest.mark.parametrize("other_first", [True, False], ids=["other-first", "act-first"])

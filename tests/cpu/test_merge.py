@@ -175,6 +175,23 @@ def test_weights_changed_in_place_are_repacked_and_replaced_ones_reoptimized() -
     torch.testing.assert_close(opt(x), model(x), rtol=0, atol=1e-5)
 
 
+def test_a_broadcast_constant_is_repacked_through_its_storage_or_refused() -> None:
+    from kopt.api import write_constant
+    from kopt.errors import KoptError
+
+    base = torch.zeros(1, 4)
+    held = base.expand(3, 4)  # what a folded expand leaves: one element per 3 positions
+    write_constant(held, torch.arange(4.0).expand(3, 4).clone(), "c")
+    assert torch.equal(base, torch.arange(4.0)[None]) and held.stride() == (0, 1)
+    with pytest.raises(KoptError, match="c now varies along dims \\[0\\]"):
+        write_constant(held, torch.randn(3, 4), "c")
+    with pytest.raises(KoptError, match="has shape \\(2, 4\\)"):
+        write_constant(held, torch.randn(2, 4), "c")
+    dense = torch.zeros(2, 3)
+    write_constant(dense, torch.ones(2, 3), "d")
+    assert torch.equal(dense, torch.ones(2, 3))
+
+
 # Expected merges per model: (description of the group, module path suffixes merged).
 EXPECTED = {
     "qwen-image-tiny": [

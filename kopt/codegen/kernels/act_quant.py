@@ -227,10 +227,13 @@ def _rows(row, x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so
 def _act_quant_row(
     row, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_row,
     R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
-    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, STASH: tl.constexpr,
-    HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr, NATIVE: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr, ONE_PASS: tl.constexpr,
+    STASH: tl.constexpr, HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
-    """One row: the activation, its absolute maximum, the scale and the e4m3 values. With
+    """One row: the activation, its absolute maximum, the scale and the e4m3 values. One pass
+    holds the row in registers as one BLOCK-wide tile, or two (BLOCK2 > 0 more columns after
+    it: no masked lanes where N is not a power of two, e.g. 18432 = 16384 + 2048). With
     ``HAS_OTHER`` the row quantized is ``cat([other, act])`` (``OTHER_FIRST``) or
     ``cat([act, other])``: P more features read as they are. Two passes over a long row compute
     the activation twice, or (``STASH``) once: the first pass also stores it, in x's dtype,
@@ -243,6 +246,11 @@ def _act_quant_row(
         mask = cols < N
         a = _activation(x_row, u_row, cols, mask, sxn, sun, dt, ACT, NATIVE)
         amax = tl.max(tl.where(mask, tl.abs(a), 0.0), axis=0)
+        if BLOCK2 > 0:
+            cols2 = BLOCK + tl.arange(0, BLOCK2)
+            mask2 = cols2 < N
+            a2 = _activation(x_row, u_row, cols2, mask2, sxn, sun, dt, ACT, NATIVE)
+            amax = tl.maximum(amax, tl.max(tl.where(mask2, tl.abs(a2), 0.0), axis=0))
     else:
         amax_a = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
@@ -270,6 +278,9 @@ def _act_quant_row(
     if ONE_PASS:
         q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
         tl.store(qa_row + cols, to_e4m3(q, qt, NATIVE), mask=mask)
+        if BLOCK2 > 0:
+            q2 = tl.clamp(pw_div_by(a2, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
+            tl.store(qa_row + cols2, to_e4m3(q2, qt, NATIVE), mask=mask2)
     else:
         if STASH:
             tl.debug_barrier()  # the whole stash written before any thread reads it back
@@ -296,8 +307,9 @@ def _act_quant_row(
 def _act_quant_kernel(
     x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_ptr,
     R, R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
-    ACT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, STASH: tl.constexpr,
-    HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr, NATIVE: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr, ONE_PASS: tl.constexpr,
+    STASH: tl.constexpr, HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     """One program per row; with ``STASH`` a persistent grid instead, each program going
     through rows pid, pid + programs, ... with its own stash row (programs x N values, small
@@ -308,13 +320,13 @@ def _act_quant_kernel(
         for row in range(pid, R, tl.num_programs(0)):
             _act_quant_row(
                 row, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_row, R2, N, P, sx0, sx1, sxn,
-                su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, ONE_PASS, STASH, HAS_OTHER,
-                OTHER_FIRST, NATIVE)
+                su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, BLOCK2, ONE_PASS, STASH,
+                HAS_OTHER, OTHER_FIRST, NATIVE)
     else:
         _act_quant_row(
             pid, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_ptr, R2, N, P, sx0, sx1, sxn,
-            su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, ONE_PASS, STASH, HAS_OTHER,
-            OTHER_FIRST, NATIVE)
+            su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, BLOCK2, ONE_PASS, STASH,
+            HAS_OTHER, OTHER_FIRST, NATIVE)
 
 
 @triton.jit
@@ -433,8 +445,9 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
                      config: dict[str, int] | None = None, other: torch.Tensor | None = None,
                      other_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``). ``config``
-    (``BLOCK``, ``ONE_PASS``, ``STASH``, ``CTAS_PER_SM``, ``num_warps``) overrides
-    :func:`_config`'s choice (benchmarks sweep it); a one-pass block must hold the whole row.
+    (``BLOCK``, ``BLOCK2``, ``ONE_PASS``, ``STASH``, ``CTAS_PER_SM``, ``num_warps``) overrides
+    :func:`_config`'s choice (benchmarks sweep it); a one-pass block (BLOCK + BLOCK2, the
+    second a one-pass row's tail tile) must hold the whole row.
     ``other``: the rows quantized are ``cat([other, act])`` (or ``[act, other]`` unless
     ``other_first``)."""
     n, p, rows = _launch_shape(x, up, activation, other)
@@ -446,8 +459,9 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     u3 = as_3d(up) if up is not None else x3
     o3 = as_3d(other) if other is not None else x3
     cfg = _config(n) if config is None else config
-    if cfg["ONE_PASS"] and cfg["BLOCK"] < n:
-        raise ValueError(f"a one-pass block of {cfg['BLOCK']} cannot hold rows of {n}")
+    block2 = cfg.get("BLOCK2", 0) if cfg["ONE_PASS"] else 0
+    if cfg["ONE_PASS"] and cfg["BLOCK"] + block2 < n:
+        raise ValueError(f"a one-pass block of {cfg['BLOCK'] + block2} cannot hold rows of {n}")
     stash = bool(cfg.get("STASH", False)) and not cfg["ONE_PASS"]
     programs = _stash_programs(rows, cfg, x) if stash else rows
     # One stash row per program (a placeholder when unused).
@@ -456,7 +470,7 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
         _act_quant_kernel[(programs,)](
             x3, u3, o3, q, scale, buf, rows, x3.shape[1], n, p, *x3.stride(), *u3.stride(),
             *o3.stride(), _INV_E4M3_MAX, ACT=ACT_CODES[activation], BLOCK=cfg["BLOCK"],
-            ONE_PASS=cfg["ONE_PASS"], STASH=stash, HAS_OTHER=other is not None,
+            BLOCK2=block2, ONE_PASS=cfg["ONE_PASS"], STASH=stash, HAS_OTHER=other is not None,
             OTHER_FIRST=other_first, NATIVE=native(_act_quant_kernel, x),
             num_warps=cfg["num_warps"],
             # Contractions are written out (tl.fma) where torch's build has them; none else.

@@ -50,6 +50,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     e4m3_bits,
     e4m3_value,
     mirror_cuda,
+    row_split,
     row_tiling,
     triton_supported,
 )
@@ -173,10 +174,12 @@ def e2m1_code(v):
 
 @triton.jit
 def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
-                BLOCK: tl.constexpr, CUDA: tl.constexpr):
-    """Quantize the [ROWS, BLOCK] fp32 tile ``v`` (zero outside the valid rows and columns;
-    BLOCK >= 64) to NVFP4 with global scale ``g`` (fp32 scalar). Programs must cover
-    round_up(rows, 128) rows: rows past ``rows`` write the zero padding of the scales."""
+                BLOCK: tl.constexpr, C0: tl.constexpr, CUDA: tl.constexpr):
+    """Quantize the [ROWS, BLOCK] fp32 tile ``v`` of columns C0 .. C0 + BLOCK (zero outside
+    the valid rows and columns; BLOCK >= 64, C0 a multiple of 64) to NVFP4 with global scale
+    ``g`` (fp32 scalar). Programs must cover round_up(rows, 128) rows and the tiles
+    round_up(cols, 64) columns: those past ``rows``/``cols`` write the zero padding of the
+    scales."""
     v3 = tl.reshape(v, [ROWS, BLOCK // 16, 16])
     amax = tl.max(tl.abs(v3), axis=2)
     s = tl.minimum(pw_div(amax, g * 6.0), 448.0)
@@ -187,12 +190,12 @@ def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
     pairs = tl.reshape(e2m1_code(q), [ROWS, BLOCK // 2, 2])
     lo, hi = tl.split(pairs)
     packed = (lo | (hi << 4)).to(tl.uint8)
-    half = tl.arange(0, BLOCK // 2)
+    half = C0 // 2 + tl.arange(0, BLOCK // 2)
     r = row[:, None]
     q_offs = r.to(tl.int64) * (cols // 2) + half[None, :]
     tl.store(q_ptr + q_offs, packed, mask=(r < rows) & (half < cols // 2)[None, :])
     # swizzled scales: 128x4 tiles of 512 bytes, row-of-tiles major
-    b = tl.arange(0, BLOCK // 16)[None, :]
+    b = C0 // 16 + tl.arange(0, BLOCK // 16)[None, :]
     col_tiles = (cols // 16 + 3) // 4
     tile = (r // 128).to(tl.int64) * col_tiles + b // 4
     s_offs = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + b % 4
@@ -202,14 +205,21 @@ def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
 
 @triton.jit
 def _quant_nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, rows, cols, stride_x, ROWS: tl.constexpr,
-                        BLOCK: tl.constexpr, CUDA: tl.constexpr):
+                        BLOCK: tl.constexpr, BLOCK2: tl.constexpr, CUDA: tl.constexpr):
+    """A row is one BLOCK-wide tile, or two: BLOCK, then BLOCK2 > 0 more (``row_split``)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.load(g_ptr)
     col = tl.arange(0, BLOCK)
     mask = (row < rows)[:, None] & (col < cols)[None, :]
     v = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    g = tl.load(g_ptr)
-    nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS, BLOCK, CUDA)
+    nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS, BLOCK, 0, CUDA)
+    if BLOCK2 > 0:
+        col2 = BLOCK + tl.arange(0, BLOCK2)
+        mask2 = (row < rows)[:, None] & (col2 < cols)[None, :]
+        v2 = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col2[None, :], mask=mask2,
+                     other=0.0).to(tl.float32)
+        nvfp4_store(v2, row, rows, col2, cols, q_ptr, s_ptr, g, ROWS, BLOCK2, BLOCK, CUDA)
 
 
 def nvfp4_launch_rows(rows: int) -> int:
@@ -233,12 +243,13 @@ def quant_nvfp4_triton(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[
     if rows == 0 or k == 0:
         return q, scales
     launch_rows = nvfp4_launch_rows(rows)
-    block, rows_per, warps = row_tiling(k, launch_rows, 64)
+    _, rows_per, warps = row_tiling(k, launch_rows, 64)
+    block, block2 = row_split(k, 64)
     grid = (triton.cdiv(launch_rows, rows_per),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quant_nvfp4_kernel[grid](
             x2, q, scales.view(torch.uint8), global_scale, rows, k, x2.stride(0),
-            ROWS=rows_per, BLOCK=block, CUDA=mirror_cuda(_quant_nvfp4_kernel, x),
+            ROWS=rows_per, BLOCK=block, BLOCK2=block2, CUDA=mirror_cuda(_quant_nvfp4_kernel, x),
             num_warps=warps, enable_fp_fusion=False,
         )
     return q, scales

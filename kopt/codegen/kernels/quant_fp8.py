@@ -45,7 +45,7 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 # A row of zeros gets this scale instead of 0, so that x / scale stays 0 rather than NaN.
 MIN_AMAX = 1e-12
 GROUP = 128
-# Widest row the row-wise kernels keep in registers (one tile per program).
+# Widest row the row-wise kernels keep in registers (one program per row, in one or two tiles).
 MAX_COLS = 32768
 INV_E4M3_MAX = reciprocal_fp32(E4M3_MAX)
 # Widest row tile whose quotients x / scale go through the scale's reciprocal (``pw_div_by``)
@@ -139,27 +139,39 @@ def e4m3_value(b, CUDA: tl.constexpr):
 
 
 @triton.jit
-def fp8_rowwise_store(v, row, rows, col, cols, q_ptr, s_ptr, CUDA: tl.constexpr):
-    """Quantize the [R, C] fp32 tile ``v`` (zero outside the valid columns) with one scale per
-    row; q is stored [rows, cols] contiguous, the scale at ``s_ptr + row``."""
-    amax = tl.max(tl.abs(v), axis=1)
-    scale = pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, CUDA)
+def fp8_row_scale(amax, CUDA: tl.constexpr):
+    """The per-row scales of rows whose largest magnitude is ``amax`` (fp32)."""
+    return pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, CUDA)
+
+
+@triton.jit
+def fp8_rowwise_write(v, scale, row, rows, col, cols, q_ptr, CUDA: tl.constexpr):
+    """Store the [R, C] fp32 tile ``v`` at columns ``col`` quantized with the rows' ``scale``
+    (q is [rows, cols] contiguous)."""
     if v.shape[1] <= RECIPROCAL_MAX_BLOCK:
         q = pw_div_by(v, scale[:, None], pw_recip(scale)[:, None], CUDA)
     else:
         q = pw_div(v, scale[:, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    rmask = row < rows
     offs = row.to(tl.int64)[:, None] * cols + col[None, :]
-    tl.store(q_ptr + offs, e4m3_bits(q, CUDA), mask=rmask[:, None] & (col < cols)[None, :])
-    tl.store(s_ptr + row, scale, mask=rmask)
+    tl.store(q_ptr + offs, e4m3_bits(q, CUDA), mask=(row < rows)[:, None] & (col < cols)[None, :])
+
+
+@triton.jit
+def fp8_rowwise_store(v, row, rows, col, cols, q_ptr, s_ptr, CUDA: tl.constexpr):
+    """Quantize the [R, C] fp32 tile ``v`` (zero outside the valid columns) with one scale per
+    row; q is stored [rows, cols] contiguous, the scale at ``s_ptr + row``."""
+    scale = fp8_row_scale(tl.max(tl.abs(v), axis=1), CUDA)
+    fp8_rowwise_write(v, scale, row, rows, col, cols, q_ptr, CUDA)
+    tl.store(s_ptr + row, scale, mask=row < rows)
 
 
 @triton.jit
 def fp8_group_store(v, row, rows, col, cols, q_ptr, s_ptr, ROWS: tl.constexpr,
-                    BLOCK: tl.constexpr, CUDA: tl.constexpr):
-    """Quantize the [ROWS, BLOCK] fp32 tile ``v`` (zero outside the valid columns) with one
-    scale per 1x128 group; scales go to ``s_ptr + g * rows + row`` (outer-dim-major)."""
+                    BLOCK: tl.constexpr, C0: tl.constexpr, CUDA: tl.constexpr):
+    """Quantize the [ROWS, BLOCK] fp32 tile ``v`` of columns ``col`` = C0 .. C0 + BLOCK (zero
+    outside the valid columns; C0 a multiple of 128) with one scale per 1x128 group; scales go
+    to ``s_ptr + g * rows + row`` (outer-dim-major)."""
     v3 = tl.reshape(v, [ROWS, BLOCK // 128, 128])
     amax = tl.max(tl.abs(v3), axis=2)
     scale = pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, CUDA)
@@ -172,22 +184,36 @@ def fp8_group_store(v, row, rows, col, cols, q_ptr, s_ptr, ROWS: tl.constexpr,
     rmask = row < rows
     offs = row.to(tl.int64)[:, None] * cols + col[None, :]
     tl.store(q_ptr + offs, bits, mask=rmask[:, None] & (col < cols)[None, :])
-    g = tl.arange(0, BLOCK // 128)
+    g = C0 // 128 + tl.arange(0, BLOCK // 128)
     s_offs = g.to(tl.int64)[None, :] * rows + row[:, None]
     tl.store(s_ptr + s_offs, scale, mask=rmask[:, None] & (g < (cols + 127) // 128)[None, :])
 
 
 @triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, GROUPED: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
-    """Load ROWS rows of x (upcast to fp32) and quantize them per row or per 1x128 group."""
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr,
+                      CUDA: tl.constexpr):
+    """Load ROWS rows of x (upcast to fp32) and quantize them per row or per 1x128 group; a
+    row is one BLOCK-wide tile, or two (BLOCK, then BLOCK2 > 0 more: :func:`row_split`)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = row < rows
     col = tl.arange(0, BLOCK)
-    mask = (row < rows)[:, None] & (col < cols)[None, :]
-    v = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    v = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :],
+                mask=rmask[:, None] & (col < cols)[None, :], other=0.0).to(tl.float32)
+    if BLOCK2 > 0:
+        col2 = BLOCK + tl.arange(0, BLOCK2)
+        v2 = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col2[None, :],
+                     mask=rmask[:, None] & (col2 < cols)[None, :], other=0.0).to(tl.float32)
     if GROUPED:
-        fp8_group_store(v, row, rows, col, cols, q_ptr, s_ptr, ROWS, BLOCK, CUDA)
+        fp8_group_store(v, row, rows, col, cols, q_ptr, s_ptr, ROWS, BLOCK, 0, CUDA)
+        if BLOCK2 > 0:
+            fp8_group_store(v2, row, rows, col2, cols, q_ptr, s_ptr, ROWS, BLOCK2, BLOCK, CUDA)
+    elif BLOCK2 > 0:
+        scale = fp8_row_scale(tl.maximum(tl.max(tl.abs(v), axis=1),
+                                         tl.max(tl.abs(v2), axis=1)), CUDA)
+        fp8_rowwise_write(v, scale, row, rows, col, cols, q_ptr, CUDA)
+        fp8_rowwise_write(v2, scale, row, rows, col2, cols, q_ptr, CUDA)
+        tl.store(s_ptr + row, scale, mask=rmask)
     else:
         fp8_rowwise_store(v, row, rows, col, cols, q_ptr, s_ptr, CUDA)
 
@@ -195,8 +221,9 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, GROUPED: tl.con
 # -- launching ----------------------------------------------------------------------------------
 
 def row_tiling(cols: int, rows: int, min_block: int = 16) -> tuple[int, int, int]:
-    """``(BLOCK, ROWS, num_warps)`` of kopt's row-wise kernels: the whole row in one tile
-    (BLOCK = next power of two, masked), several rows per program when rows are short, warps
+    """``(BLOCK, ROWS, num_warps)`` of kopt's row-wise kernels with the whole row in one tile
+    (BLOCK = next power of two, masked; :func:`row_split` may run it as two tiles instead),
+    several rows per program when rows are short, warps
     so that each thread holds 8-32 values of a tile (a 4096-wide tile at 4 warps was the best of
     12 tilings for each of the 5 ``kopt::rowwise`` specs swept at W1 shapes on the H200, more
     rows per program slower; the plain quantizers that share this tiling were not swept)."""
@@ -205,6 +232,20 @@ def row_tiling(cols: int, rows: int, min_block: int = 16) -> tuple[int, int, int
     elems = block * rows_per
     num_warps = 16 if elems >= 16384 else 8 if elems >= 8192 else 4
     return block, rows_per, num_warps
+
+
+def row_split(cols: int, min_block: int = 16) -> tuple[int, int]:
+    """``(BLOCK, BLOCK2)``: a row of ``cols`` values as one power-of-two tile (BLOCK2 = 0) or
+    two (BLOCK + BLOCK2 columns; the second starts at column BLOCK), whichever pads fewer
+    lanes. Masked lanes still issue every instruction: on the H200 the norm + FP8 kernels of
+    3072- and 6144-wide rows (one 4096/8192 tile, a quarter masked) ran at 0.62-0.66 of a
+    same-size copy, the same kernels on 4096/8192-wide rows at 0.78-0.80 (session 13)."""
+    block = max(triton.next_power_of_2(cols), min_block)
+    low = block // 2
+    if low < min_block or cols <= low:
+        return block, 0
+    block2 = max(triton.next_power_of_2(cols - low), min_block)
+    return (low, block2) if low + block2 < block else (block, 0)
 
 
 def interpreted(kernel: object) -> bool:
@@ -239,12 +280,13 @@ def _launch_quant(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, grouped
     rows, cols = x2.shape
     if rows == 0 or cols == 0:
         return
-    block, rows_per, warps = row_tiling(cols, rows, GROUP if grouped else 16)
+    _, rows_per, warps = row_tiling(cols, rows, GROUP if grouped else 16)
+    block, block2 = row_split(cols, GROUP if grouped else 16)
     grid = (triton.cdiv(rows, rows_per),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quant_fp8_kernel[grid](
             x2, q.view(torch.uint8), scale, rows, cols, x2.stride(0), GROUPED=grouped,
-            ROWS=rows_per, BLOCK=block, CUDA=mirror_cuda(_quant_fp8_kernel, x),
+            ROWS=rows_per, BLOCK=block, BLOCK2=block2, CUDA=mirror_cuda(_quant_fp8_kernel, x),
             num_warps=warps, enable_fp_fusion=False,
         )
 
