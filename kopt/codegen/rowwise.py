@@ -774,8 +774,8 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
     block, block2 = row_split(cols, min_block)
     if one_tile or not set(spec.outputs) & QUANTIZED:
         # the split pays off where the quantizers make the kernel instruction-bound; on the
-        # H200 (session 14, W1/W2 rows): FP8-producing specs 8-24% faster split, the bf16-only
-        # ones within -3..+1% (gated residual + LayerNorm + modulation 29.4 -> 29.9 us)
+        # H200 (session 14, W1/W2 rows): the FP8-producing specs 10-31% faster split (one,
+        # already at copy speed, 1% slower), the bf16-only ones 3% slower to 1% faster
         block, block2 = max(triton.next_power_of_2(cols), min_block), 0
     if block2:
         warps = split_warps(cols * tiled_rows)
