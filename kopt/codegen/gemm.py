@@ -727,7 +727,6 @@ class _Launch:
     grid: Callable[[Mapping[str, int]], tuple[int]]
     scalars: tuple[int, ...]  # m, n, k, M_BUCKET, programs, strides, gate rows: the kernel's
     flags: dict[str, Any]  # constexpr flags
-    device: torch.device
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -832,7 +831,7 @@ def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
                epilogue, extra)
     m, n, k = p.m, p.n, p.k
     if m == 0:
-        return _Launch(m, n, False, None, None, lambda meta: (0,), (), {}, a.device)
+        return _Launch(m, n, False, None, None, lambda meta: (0,), (), {})
     bt = b.t()  # [N, K]; K-major when b is the .t() view of a row-major weight
     tma_ok = _tma_ok(a) and _tma_ok(bt)
     if use_tma is None:
@@ -872,7 +871,7 @@ def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
         DOT_IN_FP32=not a.is_cuda and a.dtype == torch.bfloat16,
         HAS_SCALES=fp8, HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation],
         HAS_GATE=g is not None, HAS_RESIDUAL=r is not None)
-    return _Launch(m, n, use_tma, kernel, tuning, grid, scalars, flags, a.device)
+    return _Launch(m, n, use_tma, kernel, tuning, grid, scalars, flags)
 
 
 # --------------------------------------------------------------------------------------------

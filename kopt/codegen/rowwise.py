@@ -512,7 +512,7 @@ import triton
 import triton.language as tl
 
 from kopt.codegen.kernels.nvfp4 import nvfp4_store
-from kopt.codegen.kernels.quant_fp8 import fp8_group_store, fp8_row_scale, fp8_rowwise_write
+from kopt.codegen.kernels.quant_fp8 import fp8_group_store, fp8_rowwise_write, fp8_scale
 {imports}
 
 
@@ -575,7 +575,7 @@ def rowwise_kernel(
         amax = tl.max(tl.abs(r_a), axis=1)
         if BLOCK2 > 0:
             amax = tl.maximum(amax, tl.max(tl.abs(r_b), axis=1))
-        scale8 = fp8_row_scale(amax, CUDA)
+        scale8 = fp8_scale(amax, CUDA)
         fp8_rowwise_write(r_a, scale8, row, rows, tl.arange(0, BLOCK), cols, q8_ptr, CUDA)
         if BLOCK2 > 0:
             fp8_rowwise_write(r_b, scale8, row, rows, BLOCK + tl.arange(0, BLOCK2), cols, q8_ptr,

@@ -53,11 +53,12 @@ from kopt.codegen.kernels.quant_fp8 import (
     E4M3,
     GROUP,
     e4m3_bits,
+    fp8_scale,
     group_scale_empty,
     quant_fp8_group_reference,
 )
 from kopt.codegen.ops import define
-from kopt.codegen.pointwise import pw_div_by, pw_div_const, pw_recip
+from kopt.codegen.pointwise import pw_div_by, pw_recip
 
 # Features per program (a multiple of GROUP) and the rows a program takes with it: 2048
 # values per program at 4 warps, 2048 of one row where the row is that wide. The best of 18
@@ -136,7 +137,7 @@ def _act_quant_group_kernel(
                        sun, ACT, HAS_BIAS, NATIVE)
     a3 = tl.reshape(a, [ROWS, BLOCK // 128, 128])
     amax = tl.max(tl.abs(a3), axis=2)
-    scale = pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, NATIVE)
+    scale = fp8_scale(amax, NATIVE)
     q = pw_div_by(a3, scale[:, :, None], pw_recip(scale)[:, :, None], NATIVE)
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     bits = tl.reshape(e4m3_bits(q, NATIVE), [ROWS, BLOCK])

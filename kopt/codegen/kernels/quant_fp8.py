@@ -139,8 +139,8 @@ def e4m3_value(b, CUDA: tl.constexpr):
 
 
 @triton.jit
-def fp8_row_scale(amax, CUDA: tl.constexpr):
-    """The per-row scales of rows whose largest magnitude is ``amax`` (fp32)."""
+def fp8_scale(amax, CUDA: tl.constexpr):
+    """The scales of rows (or 1x128 groups) whose largest magnitude is ``amax`` (fp32)."""
     return pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, CUDA)
 
 
@@ -161,7 +161,7 @@ def fp8_rowwise_write(v, scale, row, rows, col, cols, q_ptr, CUDA: tl.constexpr)
 def fp8_rowwise_store(v, row, rows, col, cols, q_ptr, s_ptr, CUDA: tl.constexpr):
     """Quantize the [R, C] fp32 tile ``v`` (zero outside the valid columns) with one scale per
     row; q is stored [rows, cols] contiguous, the scale at ``s_ptr + row``."""
-    scale = fp8_row_scale(tl.max(tl.abs(v), axis=1), CUDA)
+    scale = fp8_scale(tl.max(tl.abs(v), axis=1), CUDA)
     fp8_rowwise_write(v, scale, row, rows, col, cols, q_ptr, CUDA)
     tl.store(s_ptr + row, scale, mask=row < rows)
 
@@ -174,7 +174,7 @@ def fp8_group_store(v, row, rows, col, cols, q_ptr, s_ptr, ROWS: tl.constexpr,
     to ``s_ptr + g * rows + row`` (outer-dim-major)."""
     v3 = tl.reshape(v, [ROWS, BLOCK // 128, 128])
     amax = tl.max(tl.abs(v3), axis=2)
-    scale = pw_div_const(tl.maximum(amax, 1e-12), 448.0, 0.0022321429569274187, CUDA)
+    scale = fp8_scale(amax, CUDA)
     if BLOCK <= RECIPROCAL_MAX_BLOCK:
         q = pw_div_by(v3, scale[:, :, None], pw_recip(scale)[:, :, None], CUDA)
     else:
@@ -209,7 +209,7 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_x, GROUPED: tl.con
         if BLOCK2 > 0:
             fp8_group_store(v2, row, rows, col2, cols, q_ptr, s_ptr, ROWS, BLOCK2, BLOCK, CUDA)
     elif BLOCK2 > 0:
-        scale = fp8_row_scale(tl.maximum(tl.max(tl.abs(v), axis=1),
+        scale = fp8_scale(tl.maximum(tl.max(tl.abs(v), axis=1),
                                          tl.max(tl.abs(v2), axis=1)), CUDA)
         fp8_rowwise_write(v, scale, row, rows, col, cols, q_ptr, CUDA)
         fp8_rowwise_write(v2, scale, row, rows, col2, cols, q_ptr, CUDA)
