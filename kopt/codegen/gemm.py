@@ -714,7 +714,7 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Launch:
     """What a call's launch depends on besides its tensors' data: made (checks included) once
     per :func:`_launch_key` and reused while no knowledge-base session is active."""
@@ -727,6 +727,33 @@ class _Launch:
     grid: Callable[[Mapping[str, int]], tuple[int]]
     scalars: tuple[int, ...]  # m, n, k, M_BUCKET, programs, strides, gate rows: the kernel's
     flags: dict[str, Any]  # constexpr flags
+    direct: _Direct | None = None  # set after the first tuned call (CUDA)
+
+
+@dataclass(frozen=True)
+class _Direct:
+    """A launch of the tuned config's compiled kernel straight through its launcher, without
+    Triton's autotuner and JIT dispatch: on the H200's host they cost ~75 of the ~105 us a
+    ``gemm()`` call took; the direct launch ~30 (``benchmarks/probes/gemm_host_profile.py``,
+    RESULTS.md session 15). Made once per launch key, from the first tuned call on CUDA, and
+    kept only if its output equals that call's bit for bit."""
+
+    compiled: Any  # triton's CompiledKernel
+    device: int  # the CUDA device index it runs on
+    grid: tuple[int, int, int]
+    boxes: tuple[list[int], list[int]]  # the TMA boxes of a and b.t() (the config's tiles)
+    constexprs: tuple[Any, ...]  # the kernel's constexpr arguments, in its order
+
+    def __call__(self, args: Sequence[Any]) -> None:
+        from triton import knobs
+
+        c = self.compiled
+        values = (*args, *self.constexprs)
+        stream = torch._C._cuda_getCurrentRawStream(self.device)  # what Triton's launch reads
+        run = c.run  # loads the module on first use, before c.function is read
+        run(*self.grid, stream, c.function, c.packed_metadata,
+            c.launch_metadata(self.grid, stream, *values), knobs.runtime.launch_enter_hook,
+            knobs.runtime.launch_exit_hook, *values)
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -768,7 +795,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
     The checks, the config list, the autotuner and the kernel's scalar arguments depend only on
     the operands' shapes, strides, dtypes, device and alignment and on the options: they are
     worked out once per such key (a :class:`_Launch`) and reused, unless ``configs`` is given or
-    a knowledge-base session is active (it looks up and files tuned configs per call)."""
+    a knowledge-base session is active (it looks up and files tuned configs per call). On CUDA
+    the key's later calls launch the tuned config's compiled kernel directly (:class:`_Direct`),
+    without Triton's autotuner and JIT dispatch."""
     fp8 = a.dtype == E4M3 if fp8 is None else fp8
     op = "kopt::fp8_gemm" if fp8 else "kopt::bf16_gemm"
     tensors = (scale_a, scale_b, bias, gate, residual)
@@ -790,12 +819,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
+    direct = launch.direct
     if launch.use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        # block shapes are placeholders: the autotune pre-hook sets each config's tile
-        a_desc = TensorDescriptor.from_tensor(a, [16, 16])
-        b_desc = TensorDescriptor.from_tensor(b.t(), [16, 16])
+        # without a direct launch the block shapes are placeholders: the autotune pre-hook
+        # sets each config's tile
+        box_a, box_b = direct.boxes if direct is not None else ([16, 16], [16, 16])
+        a_desc = TensorDescriptor.from_tensor(a, box_a)
+        b_desc = TensorDescriptor.from_tensor(b.t(), box_b)
     else:
         a_desc = b_desc = None
     dummy = out  # a pointer for absent operands: never read (their flags are off)
@@ -808,14 +840,48 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
         v = _operand_view(o.kind, t, n, o.name, op)
         extra_args += [v, v.stride(0) if v.numel() > 1 else 0,
                        m // v.shape[0] if o.kind == "group" else 1]
+    args = [a, b, a_desc, b_desc, out, sa, sb, bias if bias is not None else dummy, g, r,
+            *extra_args, *launch.scalars]
+    if direct is not None and a.device.index == torch.cuda.current_device():
+        direct(args)  # entering torch.cuda.device costs microseconds: only where needed
+        return out
     ctx = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
     with ctx:
-        launch.kernel[launch.grid](
-            a, b, a_desc, b_desc, out, sa, sb, bias if bias is not None else dummy, g, r,
-            *extra_args, *launch.scalars, **launch.flags)
+        if direct is not None:
+            direct(args)
+            return out
+        compiled = launch.kernel[launch.grid](*args, **launch.flags)
+        if key is not None and a.is_cuda and not torch.cuda.is_current_stream_capturing():
+            launch.direct = _direct_launch(launch, compiled, args)
     if launch.tuning is not None:
         kb_tuning.record_winner(launch.tuning, launch.kernel)
     return out
+
+
+def _direct_launch(launch: _Launch, compiled: Any, args: list[Any]) -> _Direct | None:
+    """The direct launch of the config the autotuner just ran (see :class:`_Direct`), if it
+    reproduces that call's output (``args[4]``) bit for bit; else None (the autotuner's path
+    stays: it is only slower on the host)."""
+    try:
+        config = launch.kernel.best_config
+        values = {**launch.flags, **config.all_kwargs()}
+        names = launch.kernel.fn.arg_names
+        box_a = [values["BLOCK_M"], values["BLOCK_K"]]
+        box_b = [values["BLOCK_N"], values["BLOCK_K"]]
+        grid = (*launch.grid(values), 1, 1)[:3]
+        direct = _Direct(compiled, args[0].device.index, grid, (box_a, box_b),
+                         tuple(values[name] for name in names[len(args):]))
+        again = list(args)
+        again[4] = torch.empty_like(args[4])
+        if args[2] is not None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            again[2] = TensorDescriptor.from_tensor(args[0], box_a)
+            again[3] = TensorDescriptor.from_tensor(args[1].t(), box_b)
+        direct(again)
+        return direct if torch.equal(again[4], args[4]) else None
+    except (AttributeError, KeyError, TypeError, RuntimeError):
+        return None  # another Triton's internals: keep its own launch path
 
 
 def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,

@@ -355,29 +355,30 @@ def pw_div(a, b):
 
 @triton.jit
 def pw_div_by(a, b, rb, CUDA: tl.constexpr):
-    """``a / b`` rounded as the IEEE division (:func:`pw_div`), given ``rb = RN(1 / b)`` (for a
-    divisor shared by many elements, e.g. a row's quantization scale: one division per row).
+    """``a / b`` rounded as the IEEE division (:func:`pw_div`), given ``b > 0`` and
+    ``rb = RN(1 / b)`` (for a divisor shared by many elements, e.g. a row's quantization scale:
+    one division per row).
 
     On CUDA: ``q = RN(a * rb)``, corrected twice as ``q + RN(a - b q) * rb`` with fmas (the
     residual is exact in fp32). The first correction makes q faithful; the second is then the
     correctly rounded quotient (Markstein's theorem, which needs rb correctly rounded). A zero
-    residual keeps the previous q (an exact quotient); a zero ``a * rb`` is kept as it is (the
-    fma sums would turn -0 into +0, a different e4m3 byte: measured on the H200). Valid where
-    the residuals neither overflow nor underflow: for a quantizer's ``x / scale`` with
-    ``|x| <= amax`` and ``scale ~ amax / 448`` it is exact down to |x| ~ 2^-100, below which the
-    quotient is far below half the smallest e4m3 subnormal, so the e4m3 value is still exact.
-    A multiply, four fmas and two selects against ``div.rn``'s reciprocal refinement and range
-    check: W1's per-token quantizer 21.5 -> 17.5 us on the H200
-    (``benchmarks/probes/quant_variants.py``). The interpreter (no fused multiply-add)
-    divides."""
+    residual leaves q as it is (``q + 0 * rb``), except that the fma sums turn a -0 quotient into
+    +0: the quotient's sign bit is then set from a's (b > 0, so a nonzero quotient already has
+    it; a different e4m3 byte otherwise: measured on the H200). Valid where the residuals
+    neither overflow nor underflow: for a quantizer's ``x / scale`` with ``|x| <= amax`` and
+    ``scale ~ amax / 448`` it is exact down to |x| ~ 2^-100, below which the quotient is far
+    below half the smallest e4m3 subnormal, so the e4m3 value is still exact. A multiply, four
+    fmas and one bitwise or against ``div.rn``'s reciprocal refinement and range check: W1's
+    per-token quantizer 21.5 -> 17.5 us on the H200 (``benchmarks/probes/quant_variants.py``,
+    with two selects instead of the or). The interpreter (no fused multiply-add) divides."""
     a, b = tl.broadcast(a, b)
     a, rb = tl.broadcast(a, rb)
     if CUDA:
-        q0 = a * rb
-        q = tl.fma(tl.fma(-q0, b, a), rb, q0)
-        e = tl.fma(-q, b, a)
-        q = tl.where(e == 0.0, q, tl.fma(e, rb, q))
-        q = tl.where(q0 == 0.0, q0, q)  # -0 + +0 is +0: a zero quotient keeps a's sign
+        q = a * rb
+        q = tl.fma(tl.fma(-q, b, a), rb, q)
+        q = tl.fma(tl.fma(-q, b, a), rb, q)
+        sign = a.to(tl.int32, bitcast=True) & -2147483648
+        q = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     else:
         q = tl.math.div_rn(a, b)
     return q

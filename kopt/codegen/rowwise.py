@@ -76,6 +76,7 @@ from kopt.codegen.kernels.nvfp4 import (
 from kopt.codegen.kernels.quant_fp8 import (
     E4M3,
     MAX_COLS,
+    even_tiles,
     group_scale_empty,
     mirror_cuda,
     quant_fp8_group_reference,
@@ -512,7 +513,9 @@ import triton
 import triton.language as tl
 
 from kopt.codegen.kernels.nvfp4 import nvfp4_store
-from kopt.codegen.kernels.quant_fp8 import fp8_group_store, fp8_rowwise_write, fp8_scale
+from kopt.codegen.kernels.quant_fp8 import (
+    fp8_group_store, fp8_rowwise_write, fp8_scale, in_range,
+)
 {imports}
 
 
@@ -527,15 +530,16 @@ def rowwise_kernel(
     MODULATION: tl.constexpr, OUT: tl.constexpr, RES_OUT: tl.constexpr,
     FP8_ROW: tl.constexpr, FP8_GROUP: tl.constexpr, NVFP4: tl.constexpr,
     SDT: tl.constexpr, ODT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK2: tl.constexpr, CUDA: tl.constexpr,
+    BLOCK2: tl.constexpr, EVEN: tl.constexpr, CUDA: tl.constexpr,
 ):
     """ROWS rows per program, each row one BLOCK-wide tile in fp32, or two (BLOCK columns,
     then BLOCK2 > 0 more: fewer masked lanes, ``row_split``), whose row reductions are summed;
     NORM: 0 none, 1 layer, 2 rms; XDT: x's dtype; SDT: the dtype every step rounds to (XDT,
     or 0 = fp32: no rounding between steps, the outputs rounded once, to XDT and ODT, the
-    result's dtype); dtype codes 0 fp32, 1 bf16, 2 fp16."""
+    result's dtype); dtype codes 0 fp32, 1 bf16, 2 fp16. EVEN: the tiles cover the rows
+    exactly (no masks)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rmask = row < rows
+    rmask = in_range(row, rows, EVEN)
     row64 = row.to(tl.int64)
     col = tl.arange(0, BLOCK)
 {pre_a}
@@ -550,12 +554,12 @@ def rowwise_kernel(
             if BLOCK2 > 0:
                 total += tl.sum(h_b, axis=1)
             mean = total * inv_cols
-            d = tl.where(rmask[:, None] & (tl.arange(0, BLOCK) < cols)[None, :],
+            d = tl.where(rmask[:, None] & in_range(tl.arange(0, BLOCK), cols, EVEN)[None, :],
                          h_a - mean[:, None], 0.0)
             squares = tl.sum(d * d, axis=1)
             if BLOCK2 > 0:
-                d = tl.where(rmask[:, None] & (BLOCK + tl.arange(0, BLOCK2) < cols)[None, :],
-                             h_b - mean[:, None], 0.0)
+                cm = in_range(BLOCK + tl.arange(0, BLOCK2), cols, EVEN)
+                d = tl.where(rmask[:, None] & cm[None, :], h_b - mean[:, None], 0.0)
                 squares += tl.sum(d * d, axis=1)
         else:
             squares = tl.sum(h_a * h_a, axis=1)
@@ -576,17 +580,17 @@ def rowwise_kernel(
         if BLOCK2 > 0:
             amax = tl.maximum(amax, tl.max(tl.abs(r_b), axis=1))
         scale8 = fp8_scale(amax, CUDA)
-        fp8_rowwise_write(r_a, scale8, row, rows, tl.arange(0, BLOCK), cols, q8_ptr, CUDA)
+        fp8_rowwise_write(r_a, scale8, row, rows, tl.arange(0, BLOCK), cols, q8_ptr, EVEN, CUDA)
         if BLOCK2 > 0:
             fp8_rowwise_write(r_b, scale8, row, rows, BLOCK + tl.arange(0, BLOCK2), cols, q8_ptr,
-                              CUDA)
+                              EVEN, CUDA)
         tl.store(s8_ptr + row, scale8, mask=rmask)
 '''
 
 # One tile of a row, before the norm: x (+ gate * (y + residual bias)) -> h (and the residual
 # output). Reads row, rmask, row64, col; defines h, and cmask, mask, out_offs for the tile.
 _PRE = """\
-cmask = col < cols
+cmask = in_range(col, cols, EVEN)
 mask = rmask[:, None] & cmask[None, :]
 out_offs = row64[:, None] * cols + col[None, :]
 h = tl.load(x_ptr + row64[:, None] * stride_x + col[None, :], mask=mask,
@@ -611,7 +615,7 @@ if RESIDUAL:
 # One tile after the row's statistics (mean, rstd): the norm's affine, modulation, epilogue,
 # and every output but the per-row FP8 one (which needs the whole row's amax); defines r.
 _POST = """\
-cmask = col < cols
+cmask = in_range(col, cols, EVEN)
 mask = rmask[:, None] & cmask[None, :]
 out_offs = row64[:, None] * cols + col[None, :]
 n = h
@@ -651,7 +655,7 @@ if OUT:
         ro = pw_round(r, ODT, CUDA)
     tl.store(out_ptr + out_offs, ro.to(out_ptr.dtype.element_ty), mask=mask)
 if FP8_GROUP:
-    fp8_group_store(r, row, rows, col, cols, qg_ptr, sg_ptr, ROWS, {width}, {c0}, CUDA)
+    fp8_group_store(r, row, rows, col, cols, qg_ptr, sg_ptr, ROWS, {width}, {c0}, EVEN, CUDA)
 if NVFP4:
     nvfp4_store(r, row, rows, col, cols, q4_ptr, s4_ptr, tl.load(g_ptr), ROWS, {width}, {c0},
                 CUDA)"""
@@ -820,7 +824,9 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
         FP8_GROUP="fp8_group" in out, NVFP4="nvfp4" in out,
         SDT=DT_CODE[spec.dtype] if spec.intermediates == "eager" else 0,
         ODT=DT_CODE[DTYPE_NAMES[spec.result_dtype]], ROWS=rows_per, BLOCK=block,
-        BLOCK2=block2, CUDA=mirror_cuda(kernel, x),
+        BLOCK2=block2,
+        EVEN=launch_rows == rows and even_tiles(rows, rows_per, cols, block, block2),
+        CUDA=mirror_cuda(kernel, x),
     )
     index = {n: k for k, n in enumerate(spec.input_names())}
     views = {"x": x, **t}

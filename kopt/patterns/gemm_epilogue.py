@@ -24,8 +24,13 @@ W1/W2 graphs replayed from CUDA graphs its GEMMs took 2.0-2.6% less kernel time 
 Its bias is added to the fp32 accumulator before the one rounding, as cuBLAS does; the product
 is accumulated in the tensor cores' own precision over the whole K loop, so its error against
 the fp64 product grows with K (1.8e-3 at K = 3072, 4.3e-3 at 24576; cuBLAS's 1.7e-3 at every
-K): tier tolerance. Its Python launcher costs ~240 us of host time per call (the cost
-model's ``host_us``): worth it only replayed from a CUDA graph, so the pass is off by default.
+K): tier tolerance. Its launch costs ~38 us of host time per call against cuBLAS's ~15 on the
+H200's host (session 15; ~107 before the direct launch of :class:`kopt.codegen.gemm._Direct`,
+~240 per call in session 4's W1 ablation, still the cost model's ``host_us``): worth it only
+replayed from a CUDA graph, so both passes are off by default. On W1 the residual epilogue
+makes the GEMMs slower than it saves (session 15: 238 fused sites, GEMM kernel time 49.2 ->
+56.2 ms per forward, the row-wise kernels 4.9 -> 3.6): its residual and gate are read in the
+accumulator's layout, tile by tile, after the K loop.
 """
 
 from __future__ import annotations

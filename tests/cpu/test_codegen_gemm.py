@@ -200,6 +200,7 @@ def test_a_repeated_call_reuses_its_launch_and_reads_this_calls_tensors() -> Non
                                            epilogue_reference=epilogue_reference))
         assert len(g._LAUNCHES) == 1  # made by the first call, reused by the second
     assert not torch.equal(outs[0], outs[1])
+    assert next(iter(g._LAUNCHES.values())).direct is None  # the interpreter: Triton's path
     with pytest.raises(GemmInputError, match="bias must be"):
         gemm(a, b, sa, sb, bias.half(), gate, res, act, BF16, epilogue=EPILOGUE, extra=extra)
     with pytest.raises(GemmInputError, match="residual has shape"):
@@ -207,6 +208,61 @@ def test_a_repeated_call_reuses_its_launch_and_reads_this_calls_tensors() -> Non
     with pytest.raises(GemmInputError, match="is on meta"):
         gemm(a, b, sa, sb, bias.to("meta"), gate, res, act, BF16, epilogue=EPILOGUE,
              extra=extra)
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: its launcher writes ``value`` into the output."""
+
+    function, packed_metadata = "fn", b"meta"
+
+    def __init__(self, value: float) -> None:
+        self.value, self.calls = value, []
+
+    @property
+    def run(self):  # noqa: ANN202 -- like Triton's: a property returning the launcher
+        def launch(gx, gy, gz, stream, function, metadata, launch_meta, enter, exit_, *values):
+            self.calls.append(((gx, gy, gz), values))
+            values[4].fill_(self.value)
+        return launch
+
+    def launch_metadata(self, grid, stream, *values):  # noqa: ANN001, ANN201
+        return None
+
+
+@pytest.mark.parametrize("agrees", [True, False], ids=["same-output", "other-output"])
+def test_the_direct_launch_is_kept_only_if_it_reproduces_the_tuned_call(
+        agrees: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a tuned call, gemm() launches the tuned config's compiled kernel directly (CUDA
+    only; faked here): its constexprs in the kernel's argument order after the positional ones,
+    the grid of the tuned tile, and only if one launch reproduces the tuned call's output."""
+    from types import SimpleNamespace
+
+    from kopt.codegen import gemm as g
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    config = SimpleNamespace(all_kwargs=lambda: dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128,
+                                                     GROUP_M=8, PERSISTENT=0, num_warps=4))
+    names = ["a", "b", "a_desc", "b_desc", "out", "M", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+             "GROUP_M", "PERSISTENT", "HAS_BIAS"]
+    tuner = SimpleNamespace(best_config=config, fn=SimpleNamespace(arg_names=names))
+    launch = g._Launch(100, 70, False, tuner, None,
+                       lambda meta: (-(-100 // meta["BLOCK_M"]) * -(-70 // meta["BLOCK_N"]),),
+                       (100,), {"HAS_BIAS": True})
+    out = torch.full((100, 70), 3.0)
+    args = [torch.zeros(1), torch.zeros(1), None, None, out, 100]
+    compiled = _FakeCompiled(3.0 if agrees else 4.0)
+    direct = g._direct_launch(launch, compiled, args)
+    (grid, values), = compiled.calls  # launched once, into an output of its own
+    assert values[4] is not out and grid == (2 * 3, 1, 1)
+    assert values[6:] == (64, 32, 128, 8, 0, True)
+    if not agrees:
+        assert direct is None  # the autotuner's path stays
+        return
+    assert direct is not None and direct.grid == (6, 1, 1) and direct.boxes == ([64, 128],
+                                                                                [32, 128])
+    fresh = torch.empty(100, 70)
+    direct([*args[:4], fresh, 100])
+    assert (fresh == 3.0).all()
 
 
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointer", "tma"])

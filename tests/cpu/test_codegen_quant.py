@@ -77,6 +77,17 @@ def test_rows_split_into_two_power_of_two_tiles_where_that_pads_fewer_lanes() ->
     assert row_split(3072, 4096) == (4096, 0)  # the minimum tile holds the row
 
 
+def test_even_tiles_are_launches_that_cover_their_rows_exactly() -> None:
+    """The kernels drop their masks (``EVEN``) only where every program's rows and every tile's
+    columns are in range; SHAPES above run both kinds ((3, 3072) as 2048 + 1024, (2, 4000))."""
+    from kopt.codegen.kernels.quant_fp8 import even_tiles
+
+    assert even_tiles(4224, 1, 3072, 2048, 1024) and even_tiles(128, 4, 4096, 4096, 0)
+    assert not even_tiles(4224, 1, 3000, 2048, 1024)  # the second tile is partly masked
+    assert not even_tiles(6, 4, 384, 256, 128)  # the second program's last two rows
+    assert not even_tiles(2, 1, 4000, 4096, 0)
+
+
 def test_fp8_group_scales_are_per_128_columns() -> None:
     x = torch.ones(3, 300)
     x[1, 130] = 448.0 * 5  # only group 1 of row 1 sees it

@@ -546,7 +546,8 @@ for spec in specs:
                      launch.num_warps))
 for grouped in (False, True):
     ptx.append(build(qf._quant_fp8_kernel, [x, x.view(torch.uint8), torch.rand(1), 1, c, c],
-                     dict(GROUPED=grouped, ROWS=1, BLOCK=2048, BLOCK2=1024, CUDA=True), 8))
+                     dict(GROUPED=grouped, ROWS=1, BLOCK=2048, BLOCK2=1024, EVEN=grouped,
+                          CUDA=True), 8))
 ptx.append(build(nv._quant_nvfp4_kernel, [x, x.view(torch.uint8), x.view(torch.uint8),
                                           torch.rand(1), 1, c, c],
                  dict(ROWS=1, BLOCK=2048, BLOCK2=1024, CUDA=True), 8))
@@ -554,6 +555,14 @@ for i, p in enumerate(ptx):
     print(i, "e4m3" if "cvt.rn.satfinite.e4m3x2.f32" in p else "-",
           "div.rn" if "div.rn.f32" in p else "-", "bf16" if "cvt.rn.bf16.f32" in p else "-",
           "approx-div" if ("div.full.f32" in p or "div.approx.f32" in p) else "-")
+# the FP8 default's LayerNorm + adaLN + FP8 on rows the tiles cover (3072 = 2048 + 1024)
+spec = rw.RowwiseSpec(bf, norm="layer", modulation=True, outputs=("fp8_row",),
+                      intermediates="fp32")
+xs = torch.randn(1, 64, c, dtype=torch.bfloat16)
+ins = {"x": xs, "scale": xs[:, 0], "shift": xs[:, 0]}
+launch = rw.prepare_launch(spec, [ins[n] for n in spec.input_names()])
+p = build(launch.kernel, launch.args, dict(launch.constexprs, CUDA=True), launch.num_warps)
+print("even", launch.constexprs["EVEN"], "selp", p.count("selp."), "min", p.count("min.f32"))
 '''
 
 
@@ -574,6 +583,10 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     # the last one's only rounding is its epilogue's explicit cast to fp16)
     assert lines[:4] == [f"{i} e4m3 div.rn bf16 -" for i in range(3)] + ["3 e4m3 div.rn - -"]
     assert lines[4:7] == ["4 e4m3 div.rn - -", "5 e4m3 div.rn - -", "6 e4m3 div.rn - -"]
+    # no per-value selects or clamps left in it (session 14's kernel had 240 selp and 48 min
+    # for its 48 values per thread: masks that were all true, the quotient's guards, the clamp
+    # the saturating e4m3 cast makes redundant)
+    assert lines[7] == "even True selp 0 min 0"
 
 
 @pytest.mark.parametrize("rows_per", [1, 4])
@@ -768,6 +781,23 @@ def test_the_plan_cache_is_bounded(plans: dict, monkeypatch: pytest.MonkeyPatch)
     for ins in calls:
         prepare_launch(spec, ins)
     assert list(plans) == [rw._plan_key(spec, ins) for ins in calls[1:]]  # the oldest went
+
+
+@pytest.mark.parametrize(("t", "c", "even"), [(8, 384, True), (6, 384, False), (8, 320, False)],
+                         ids=["covered", "partial-program", "partial-tile"])
+def test_launches_that_cover_their_rows_run_without_masks(t: int, c: int, even: bool) -> None:
+    """Where the programs' rows and the tiles' columns cover the rows exactly (4 rows of 256 +
+    128 columns per program here), the kernel runs with constant masks (``EVEN``); its outputs
+    are the reference's either way."""
+    spec = RowwiseSpec("bfloat16", norm="layer", modulation=True,
+                       outputs=("out", "fp8_row", "fp8_group"))
+    ins = _inputs(spec, 1, t, c)
+    launch = prepare_launch(spec, [ins[n] for n in spec.input_names()])
+    assert launch.constexprs["EVEN"] is even
+    assert (launch.constexprs["ROWS"], launch.constexprs["BLOCK"]) == (4, 256)
+    got, ref = _run(spec, ins)
+    torch.testing.assert_close(got["out"].float(), ref["out"].float(), rtol=8e-3, atol=1e-5)
+    _quantized_from_out(spec, ins, got)
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])

@@ -73,8 +73,9 @@ def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh", "gelu_erf", "silu_mul:fast",
                                         "gelu_tanh:fast"])
-@pytest.mark.parametrize("shape", [(1, 16), (7, 40), (3, 5, 129), (2, 9000)],
-                         ids=["one-row", "odd-rows", "3d-odd-features", "two-pass"])
+@pytest.mark.parametrize("shape", [(1, 16), (7, 40), (3, 5, 129), (2, 9000), (2, 4096)],
+                         ids=["one-row", "odd-rows", "3d-odd-features", "two-pass",
+                              "two-pass-unmasked"])  # 4096: two whole chunks (EVEN)
 def test_triton_matches_the_reference(shape: tuple[int, ...], activation: str,
                                       dtype: torch.dtype) -> None:
     gate, up = _inputs(shape, dtype, activation)
@@ -152,9 +153,11 @@ def test_rejects_what_it_cannot_compute() -> None:
 @pytest.mark.parametrize("config", [
     {"BLOCK": 512, "ONE_PASS": False, "STASH": False, "num_warps": 4},
     {"BLOCK": 256, "ONE_PASS": False, "STASH": True, "num_warps": 4},
+    {"BLOCK": 256, "ONE_PASS": False, "STASH": True, "STREAM": False, "num_warps": 4},
     {"BLOCK": 1024, "ONE_PASS": True, "num_warps": 8},
     {"BLOCK": 512, "BLOCK2": 512, "ONE_PASS": True, "num_warps": 4},
-], ids=["two-pass-recomputed", "two-pass-stashed", "one-pass-wider-block", "one-pass-two-tiles"])
+], ids=["two-pass-recomputed", "two-pass-stashed", "two-pass-stashed-cached-loads",
+        "one-pass-wider-block", "one-pass-two-tiles"])
 def test_config_override_keeps_the_result(config: dict) -> None:
     """Benchmarks sweep the launch config: every config computes the same bits (the two-pass
     form recomputes the activation or reads it back from the stash, 5 rows on fewer persistent

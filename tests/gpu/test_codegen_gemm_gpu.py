@@ -182,3 +182,27 @@ def test_fp8_gemm_replays_in_a_cuda_graph_and_compiles() -> None:
     torch.testing.assert_close(out, f(a2, sa2), rtol=0, atol=0)
     compiled = torch.compile(f, fullgraph=True)
     torch.testing.assert_close(compiled(a2, sa2), f(a2, sa2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+def test_direct_launch_equals_the_autotuned_launch(use_tma: bool) -> None:
+    """After a shape's first (tuned) call, gemm() launches the tuned kernel directly; on new
+    data it computes bit for bit what the autotuner's path computes with that config."""
+    from kopt.codegen import gemm as g
+
+    m, n, k = 384, 1536, 1024
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    gate = torch.randn(1, n, device="cuda", dtype=BF16)
+    res = torch.randn(m, n, device="cuda", dtype=BF16)
+    g._LAUNCHES.clear()
+    gemm(a, b, sa, sb, bias, gate, res, use_tma=use_tma)
+    (launch,) = g._LAUNCHES.values()
+    assert launch.direct is not None
+    assert launch.use_tma == use_tma
+    a2, _, sa2, _, _ = fp8_operands(m, n, k, seed=1)
+    direct = gemm(a2, b, sa2, sb, bias, gate, res, use_tma=use_tma)
+    tuned = gemm(a2, b, sa2, sb, bias, gate, res, use_tma=use_tma,
+                 configs=[launch.kernel.best_config])
+    torch.testing.assert_close(direct, tuned, rtol=0, atol=0)
+    exact = gemm_reference(a2, b, sa2, sb, bias, gate, res, upcast=True)
+    assert relative_error(direct, exact) <= FP8_GEMM_BOUND

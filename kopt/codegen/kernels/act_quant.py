@@ -65,7 +65,14 @@ from triton.language.extra import libdevice
 
 from kopt.codegen import fp64_reference
 from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
-from kopt.codegen.kernels.quant_fp8 import E4M3, E4M3_MAX, MIN_AMAX, quant_fp8_rowwise_reference
+from kopt.codegen.kernels.quant_fp8 import (
+    E4M3,
+    E4M3_MAX,
+    MIN_AMAX,
+    e4m3_clamp,
+    in_range,
+    quant_fp8_rowwise_reference,
+)
 from kopt.codegen.ops import define
 from kopt.codegen.pointwise import fp32, pw_div_by, pw_recip
 
@@ -98,6 +105,11 @@ _INV_E4M3_MAX = fp32(1.0 / E4M3_MAX)
 _ONE_PASS_MAX = 2048
 _CHUNK = 2048
 _STASH_CTAS_PER_SM = 8
+# A stashing kernel loads a SwiGLU's two inputs with L2's evict-first policy (``STREAM``), so
+# that the stash stays in L2 instead of going out to HBM and back: H200, session 15
+# (benchmarks/probes/act_stream.py, bitwise the same output), W2's image SwiGLU 185.5 -> 166.7
+# us, W3's prefill 66.2 -> 61.5; not GELU's one input (W1 85.5 -> 86.3). Nsight Compute had
+# W2's kernel moving ~1.6x its bytes through HBM at 79% of its peak (session 15 c1).
 # Programs of a persistent grid under the interpreter (no SMs): fewer than the tests' rows.
 _INTERPRETER_PROGRAMS = 3
 
@@ -194,11 +206,20 @@ def act_values(x, up, dt: tl.constexpr, ACT: tl.constexpr, NATIVE: tl.constexpr)
 
 @triton.jit
 def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.constexpr,
-                NATIVE: tl.constexpr):
-    """The activation of one chunk of a row, in fp32, rounded to ``dt`` as torch stores it."""
-    x = tl.load(x_row + cols * sxn, mask=mask, other=0.0).to(tl.float32)
+                NATIVE: tl.constexpr, STREAM: tl.constexpr = False):
+    """The activation of one chunk of a row, in fp32, rounded to ``dt`` as torch stores it.
+    ``STREAM``: its inputs, read once, are the first lines L2 evicts (the stash stays)."""
+    if STREAM:
+        x = tl.load(x_row + cols * sxn, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(x_row + cols * sxn, mask=mask, other=0.0)
+    x = x.to(tl.float32)
     if ACT == 0 or ACT == 3:
-        up = tl.load(u_row + cols * sun, mask=mask, other=0.0).to(tl.float32)
+        if STREAM:
+            up = tl.load(u_row + cols * sun, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            up = tl.load(u_row + cols * sun, mask=mask, other=0.0)
+        up = up.to(tl.float32)
     else:
         up = x
     return act_values(x, up, dt, ACT, NATIVE)
@@ -229,7 +250,7 @@ def _act_quant_row(
     R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
     ACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr, ONE_PASS: tl.constexpr,
     STASH: tl.constexpr, HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr,
-    NATIVE: tl.constexpr,
+    EVEN: tl.constexpr, STREAM: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One row: the activation, its absolute maximum, the scale and the e4m3 values. One pass
     holds the row in registers as one BLOCK-wide tile, or two (BLOCK2 > 0 more columns after
@@ -237,25 +258,27 @@ def _act_quant_row(
     ``HAS_OTHER`` the row quantized is ``cat([other, act])`` (``OTHER_FIRST``) or
     ``cat([act, other])``: P more features read as they are. Two passes over a long row compute
     the activation twice, or (``STASH``) once: the first pass also stores it, in x's dtype,
-    at ``stash_row``, and the second reads it back. See the module docstring."""
+    at ``stash_row``, and the second reads it back. ``EVEN``: the blocks cover the N (and P)
+    features exactly (no masks). See the module docstring."""
     row, x_row, u_row, o_row, qa_row, qo_row = _rows(
         row, x_ptr, u_ptr, o_ptr, q_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1, OTHER_FIRST)
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
-        mask = cols < N
+        mask = in_range(cols, N, EVEN)
         a = _activation(x_row, u_row, cols, mask, sxn, sun, dt, ACT, NATIVE)
         amax = tl.max(tl.where(mask, tl.abs(a), 0.0), axis=0)
         if BLOCK2 > 0:
             cols2 = BLOCK + tl.arange(0, BLOCK2)
-            mask2 = cols2 < N
+            mask2 = in_range(cols2, N, EVEN)
             a2 = _activation(x_row, u_row, cols2, mask2, sxn, sun, dt, ACT, NATIVE)
             amax = tl.maximum(amax, tl.max(tl.where(mask2, tl.abs(a2), 0.0), axis=0))
     else:
         amax_a = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
+            mask = in_range(start + cols, N, EVEN)
+            a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE,
+                            STASH and STREAM)
             amax_a = tl.maximum(amax_a, tl.where(mask, tl.abs(a), 0.0))
             if STASH:  # a is already rounded to dt: the stash holds it exactly
                 tl.store(stash_row + start + cols, a.to(dt), mask=mask,
@@ -264,7 +287,7 @@ def _act_quant_row(
     if HAS_OTHER:
         amax_o = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, P, BLOCK):
-            m = start + cols < P
+            m = in_range(start + cols, P, EVEN)
             v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
             amax_o = tl.maximum(amax_o, tl.where(m, tl.abs(v), 0.0))
         amax = tl.maximum(amax, tl.max(amax_o, axis=0))
@@ -276,30 +299,30 @@ def _act_quant_row(
     r_scale = pw_recip(scale)
     qt = q_ptr.dtype.element_ty
     if ONE_PASS:
-        q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
+        q = e4m3_clamp(pw_div_by(a, scale, r_scale, NATIVE), NATIVE)
         tl.store(qa_row + cols, to_e4m3(q, qt, NATIVE), mask=mask)
         if BLOCK2 > 0:
-            q2 = tl.clamp(pw_div_by(a2, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
+            q2 = e4m3_clamp(pw_div_by(a2, scale, r_scale, NATIVE), NATIVE)
             tl.store(qa_row + cols2, to_e4m3(q2, qt, NATIVE), mask=mask2)
     else:
         if STASH:
             tl.debug_barrier()  # the whole stash written before any thread reads it back
         for start in range(0, N, BLOCK):
-            mask = start + cols < N
+            mask = in_range(start + cols, N, EVEN)
             if STASH:
                 a = tl.load(stash_row + start + cols, mask=mask, other=0.0,
                             eviction_policy="evict_last").to(tl.float32)
             else:
                 a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
-            q = tl.clamp(pw_div_by(a, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
+            q = e4m3_clamp(pw_div_by(a, scale, r_scale, NATIVE), NATIVE)
             tl.store(qa_row + start + cols, to_e4m3(q, qt, NATIVE), mask=mask)
         if STASH:
             tl.debug_barrier()  # read back before the next row overwrites it
     if HAS_OTHER:
         for start in range(0, P, BLOCK):
-            m = start + cols < P
+            m = in_range(start + cols, P, EVEN)
             v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
-            q = tl.clamp(pw_div_by(v, scale, r_scale, NATIVE), -_E4M3_MAX, _E4M3_MAX)
+            q = e4m3_clamp(pw_div_by(v, scale, r_scale, NATIVE), NATIVE)
             tl.store(qo_row + start + cols, to_e4m3(q, qt, NATIVE), mask=m)
 
 
@@ -309,7 +332,7 @@ def _act_quant_kernel(
     R, R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
     ACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr, ONE_PASS: tl.constexpr,
     STASH: tl.constexpr, HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr,
-    NATIVE: tl.constexpr,
+    EVEN: tl.constexpr, STREAM: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One program per row; with ``STASH`` a persistent grid instead, each program going
     through rows pid, pid + programs, ... with its own stash row (programs x N values, small
@@ -321,12 +344,12 @@ def _act_quant_kernel(
             _act_quant_row(
                 row, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_row, R2, N, P, sx0, sx1, sxn,
                 su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, BLOCK2, ONE_PASS, STASH,
-                HAS_OTHER, OTHER_FIRST, NATIVE)
+                HAS_OTHER, OTHER_FIRST, EVEN, STREAM, NATIVE)
     else:
         _act_quant_row(
             pid, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_ptr, R2, N, P, sx0, sx1, sxn,
             su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, BLOCK2, ONE_PASS, STASH,
-            HAS_OTHER, OTHER_FIRST, NATIVE)
+            HAS_OTHER, OTHER_FIRST, EVEN, STREAM, NATIVE)
 
 
 @triton.jit
@@ -472,6 +495,9 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
             *o3.stride(), _INV_E4M3_MAX, ACT=ACT_CODES[activation], BLOCK=cfg["BLOCK"],
             BLOCK2=block2, ONE_PASS=cfg["ONE_PASS"], STASH=stash, HAS_OTHER=other is not None,
             OTHER_FIRST=other_first, NATIVE=native(_act_quant_kernel, x),
+            EVEN=(n == cfg["BLOCK"] + block2 if cfg["ONE_PASS"] else n % cfg["BLOCK"] == 0)
+            and p % cfg["BLOCK"] == 0,
+            STREAM=bool(cfg.get("STREAM", up is not None)),
             num_warps=cfg["num_warps"],
             # Contractions are written out (tl.fma) where torch's build has them; none else.
             enable_fp_fusion=False,

@@ -53,6 +53,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     E4M3,
     GROUP,
     e4m3_bits,
+    e4m3_clamp,
     fp8_scale,
     group_scale_empty,
     quant_fp8_group_reference,
@@ -139,7 +140,7 @@ def _act_quant_group_kernel(
     amax = tl.max(tl.abs(a3), axis=2)
     scale = fp8_scale(amax, NATIVE)
     q = pw_div_by(a3, scale[:, :, None], pw_recip(scale)[:, :, None], NATIVE)
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    q = e4m3_clamp(q, NATIVE)
     bits = tl.reshape(e4m3_bits(q, NATIVE), [ROWS, BLOCK])
     tl.store(q_ptr + r64[:, None] * W + col[None, :], bits, mask=mask)
     g = c0 // 128 + tl.arange(0, BLOCK // 128)
