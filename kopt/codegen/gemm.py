@@ -45,6 +45,7 @@ import ast
 import contextlib
 import functools
 import keyword
+import logging
 import textwrap
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,8 @@ from kopt.codegen.ops import define
 from kopt.codegen.source import load_generated_module
 from kopt.errors import KoptError
 from kopt.kb import tuning as kb_tuning
+
+log = logging.getLogger("kopt")
 
 E4M3 = torch.float8_e4m3fn
 ACTIVATIONS = ("none", "gelu_tanh", "silu")
@@ -879,9 +882,15 @@ def _direct_launch(launch: _Launch, compiled: Any, args: list[Any]) -> _Direct |
             again[2] = TensorDescriptor.from_tensor(args[0], box_a)
             again[3] = TensorDescriptor.from_tensor(args[1].t(), box_b)
         direct(again)
-        return direct if torch.equal(again[4], args[4]) else None
-    except (AttributeError, KeyError, TypeError, RuntimeError):
-        return None  # another Triton's internals: keep its own launch path
+        if torch.equal(again[4], args[4]):
+            return direct
+        log.warning("kopt's GEMM (%s x %s): launching the tuned kernel directly gave other "
+                    "values than Triton's launch; this launch keeps Triton's path", launch.m,
+                    launch.n)
+    except Exception as e:  # noqa: BLE001 -- another Triton's internals: keep its own path
+        log.info("kopt's GEMM: no direct launch (%s: %s); Triton's launch path stays",
+                 type(e).__name__, e)
+    return None
 
 
 def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None,

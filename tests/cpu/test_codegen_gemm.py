@@ -231,7 +231,7 @@ class _FakeCompiled:
 
 @pytest.mark.parametrize("agrees", [True, False], ids=["same-output", "other-output"])
 def test_the_direct_launch_is_kept_only_if_it_reproduces_the_tuned_call(
-        agrees: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        agrees: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """After a tuned call, gemm() launches the tuned config's compiled kernel directly (CUDA
     only; faked here): its constexprs in the kernel's argument order after the positional ones,
     the grid of the tuned tile, and only if one launch reproduces the tuned call's output."""
@@ -256,7 +256,8 @@ def test_the_direct_launch_is_kept_only_if_it_reproduces_the_tuned_call(
     assert values[4] is not out and grid == (2 * 3, 1, 1)
     assert values[6:] == (64, 32, 128, 8, 0, True)
     if not agrees:
-        assert direct is None  # the autotuner's path stays
+        assert direct is None  # the autotuner's path stays, and the log says why
+        assert "gave other values than Triton's launch" in caplog.text
         return
     assert direct is not None and direct.grid == (6, 1, 1) and direct.boxes == ([64, 128],
                                                                                 [32, 128])
