@@ -23,9 +23,8 @@ def main() -> None:
         base = _config(case.features)
         configs = {"default": dict(base, STREAM=False), "stream": dict(base, STREAM=True)}
         outs = {k: act_quant_triton(x, up, case.activation, config=c) for k, c in configs.items()}
-        same = all(torch.equal(outs["default"][i].view(torch.uint8) if i == 0 else
-                               outs["default"][i], outs["stream"][i].view(torch.uint8)
-                               if i == 0 else outs["stream"][i]) for i in (0, 1))
+        (q0, s0), (q1, s1) = outs["default"], outs["stream"]
+        same = torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
         times: dict[str, list[float]] = {k: [] for k in configs}
         for _ in range(4):
             for k, c in configs.items():

@@ -122,9 +122,9 @@ class PassConfig:
     (its GEMMs 2.0-2.6% less kernel time than cuBLAS's in W1/W2 replayed from a CUDA graph;
     its accumulation error grows with K, so W2's output error rises from 1.225e-1 to 1.235e-1).
     Replayed from a CUDA graph W1 took 85.5 ms per forward with it, 89.0 without; eager, 123.4
-    against 111.3: its launch still costs ~38 us of host time against cuBLAS's ~15 (down from
-    ~107 with the launch that skips Triton's autotuner and JIT dispatch), so it is off by
-    default (benchmarks/RESULTS.md sessions 13 and 15)."""
+    against 111.3 (two runs on one H200): its launch still costs ~38 us of host time against
+    cuBLAS's ~15 (down from ~107 with the launch that skips Triton's autotuner and JIT
+    dispatch), so it is off by default (benchmarks/RESULTS.md sessions 13 and 15)."""
 
     hoist: bool | tuple[str, ...] = True
     """Cache work that depends only on conditioning inputs (timestep modulation across a CFG

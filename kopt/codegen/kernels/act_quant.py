@@ -468,9 +468,10 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
                      config: dict[str, int] | None = None, other: torch.Tensor | None = None,
                      other_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel (on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``). ``config``
-    (``BLOCK``, ``BLOCK2``, ``ONE_PASS``, ``STASH``, ``CTAS_PER_SM``, ``num_warps``) overrides
-    :func:`_config`'s choice (benchmarks sweep it); a one-pass block (BLOCK + BLOCK2, the
-    second a one-pass row's tail tile) must hold the whole row.
+    (``BLOCK``, ``BLOCK2``, ``ONE_PASS``, ``STASH``, ``CTAS_PER_SM``, ``STREAM``, ``num_warps``)
+    overrides :func:`_config`'s choice (benchmarks sweep it; ``STREAM`` defaults to whether the
+    activation has two inputs); a one-pass block (BLOCK + BLOCK2, the second a one-pass row's
+    tail tile) must hold the whole row.
     ``other``: the rows quantized are ``cat([other, act])`` (or ``[act, other]`` unless
     ``other_first``)."""
     n, p, rows = _launch_shape(x, up, activation, other)
