@@ -360,26 +360,32 @@ def pw_div_by(a, b, rb, CUDA: tl.constexpr):
     one division per row).
 
     On CUDA: ``q = RN(a * rb)``, corrected twice as ``q + RN(a - b q) * rb`` with fmas (the
-    residual is exact in fp32). The first correction makes q faithful; the second is then the
-    correctly rounded quotient (Markstein's theorem, which needs rb correctly rounded). A zero
-    residual leaves q as it is (``q + 0 * rb``), except that the fma sums turn a -0 quotient into
-    +0: the quotient's sign bit is then set from a's (b > 0, so a nonzero quotient already has
-    it; a different e4m3 byte otherwise: measured on the H200). Valid where the residuals
+    residual is exact in fp32), ``a - b q`` as ``fma(q, -b, a)`` with -b formed once per
+    divisor before broadcasting (Triton 3.6 negates as ``0 - x``: a subtraction per value, 2
+    more SASS instructions per value in act + quant, ``benchmarks/probes/ptx_sm90.py``). The
+    first correction makes q faithful; the second is then the correctly rounded quotient
+    (Markstein's theorem, which needs rb correctly rounded). A zero residual leaves q as it is
+    (``q + 0 * rb``), except that the fma sums turn a -0 quotient into +0: the quotient's sign
+    bit is then set from a's (b > 0, so a nonzero quotient already has it; a different e4m3
+    byte otherwise: measured on the H200; one LOP3 per value in SASS). Computing the residual
+    negated to keep the zero's sign instead does not survive Triton 3.6's ``0 - x`` negation
+    (measured, session 16). Valid where the residuals
     neither overflow nor underflow: for a quantizer's ``x / scale`` with ``|x| <= amax`` and
     ``scale ~ amax / 448`` it is exact down to |x| ~ 2^-100, below which the quotient is far
     below half the smallest e4m3 subnormal, so the e4m3 value is still exact. A multiply, four
     fmas and one bitwise or against ``div.rn``'s reciprocal refinement and range check: W1's
     per-token quantizer 21.5 -> 17.5 us on the H200 (``benchmarks/probes/quant_variants.py``,
     with two selects instead of the or). The interpreter (no fused multiply-add) divides."""
-    a, b = tl.broadcast(a, b)
-    a, rb = tl.broadcast(a, rb)
     if CUDA:
+        a, nb = tl.broadcast(a, 0.0 - b)  # b > 0: exact
+        a, rb = tl.broadcast(a, rb)
         q = a * rb
-        q = tl.fma(tl.fma(-q, b, a), rb, q)
-        q = tl.fma(tl.fma(-q, b, a), rb, q)
+        q = tl.fma(tl.fma(q, nb, a), rb, q)
+        q = tl.fma(tl.fma(q, nb, a), rb, q)
         sign = a.to(tl.int32, bitcast=True) & -2147483648
         q = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     else:
+        a, b = tl.broadcast(a, b)
         q = tl.math.div_rn(a, b)
     return q
 

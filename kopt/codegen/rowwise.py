@@ -658,7 +658,7 @@ if FP8_GROUP:
     fp8_group_store(r, row, rows, col, cols, qg_ptr, sg_ptr, ROWS, {width}, {c0}, EVEN, CUDA)
 if NVFP4:
     nvfp4_store(r, row, rows, col, cols, q4_ptr, s4_ptr, tl.load(g_ptr), ROWS, {width}, {c0},
-                CUDA)"""
+                EVEN, CUDA)"""
 
 _LOADS = {
     "tile": "tl.load({p}_ptr + row64[:, None] * {p}_stride + col[None, :], mask=mask, "

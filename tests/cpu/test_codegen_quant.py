@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kopt.codegen.kernels.nvfp4 import (
     E2M1_VALUES,
     dequant_nvfp4,
+    e2m1_code,
+    e2m1_codes,
     nvfp4_global_scale,
     quant_nvfp4,
     quant_nvfp4_reference,
@@ -145,6 +149,34 @@ def test_nvfp4_values_round_to_nearest_even() -> None:
     # a global scale too small for the block: the e4m3 scale clamps to 448, values to +-6
     q, s = quant_nvfp4_triton(torch.full((1, 16), 1e4), g)
     assert torch.equal(dequant_nvfp4(q, s, g), torch.full((1, 16), 6.0 * 448))
+
+
+@triton.jit
+def _e2m1_kernel(v_ptr, c_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(c_ptr + i, e2m1_code(tl.load(v_ptr + i)))
+
+
+def e2m1_probe_values(device: str = "cpu") -> torch.Tensor:
+    """Every E2M1 value and threshold with its fp32 neighbours on both sides, both signs, and
+    zeros, denormals, values past 6, infinities and NaN: 4096 values."""
+    marks = torch.tensor(list(E2M1_VALUES) + [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0])
+    near = torch.cat([torch.nextafter(marks, torch.tensor(-1.0)), marks,
+                      torch.nextafter(marks, torch.tensor(100.0))])
+    special = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 1e-20, 3e38, float("inf"),
+                            float("nan")])
+    v = torch.cat([near, special, torch.rand(1800) * 8, torch.randn(100) * 1e-3])
+    v = torch.cat([v, -v])
+    return torch.cat([v, torch.zeros(4096 - v.numel())]).to(device)
+
+
+def test_e2m1_code_by_arithmetic_is_the_thresholds() -> None:
+    """The kernels' E2M1 coding (rounding on fp32's own grid, no comparisons) against the
+    reference's seven thresholds, bit for bit: ties to even, saturation, signs, NaN."""
+    v = e2m1_probe_values()
+    got = torch.empty(v.numel(), dtype=torch.int32)
+    _e2m1_kernel[(1,)](v, got, N=v.numel())
+    assert torch.equal(got, e2m1_codes(v).int())
 
 
 def test_nvfp4_dequantizes_within_the_format_error() -> None:

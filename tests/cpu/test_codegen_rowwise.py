@@ -550,7 +550,7 @@ for grouped in (False, True):
                           CUDA=True), 8))
 ptx.append(build(nv._quant_nvfp4_kernel, [x, x.view(torch.uint8), x.view(torch.uint8),
                                           torch.rand(1), 1, c, c],
-                 dict(ROWS=1, BLOCK=2048, BLOCK2=1024, CUDA=True), 8))
+                 dict(ROWS=1, BLOCK=2048, BLOCK2=1024, EVEN=False, CUDA=True), 8))
 for i, p in enumerate(ptx):
     print(i, "e4m3" if "cvt.rn.satfinite.e4m3x2.f32" in p else "-",
           "div.rn" if "div.rn.f32" in p else "-", "bf16" if "cvt.rn.bf16.f32" in p else "-",

@@ -168,6 +168,25 @@ def test_config_override_keeps_the_result(config: dict) -> None:
     assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
 
 
+@pytest.mark.parametrize("activation", ["silu_mul:fast", "gelu_tanh:fast"])
+def test_fast_activations_of_long_rows_run_in_one_pass_with_the_stash_s_bits(
+        activation: str) -> None:
+    """Fast activations over 2048 features default to one pass of two tiles (5000 = 4096 +
+    1024, masked); the result is the stashing two-pass kernel's, bit for bit; exact ones and
+    rows with a concatenated tensor keep the stash."""
+    from kopt.codegen.kernels.act_quant import _config
+
+    cfg = _config(5000, activation)
+    assert (cfg["ONE_PASS"], cfg["BLOCK"], cfg["BLOCK2"]) == (True, 4096, 1024)
+    assert _config(5000, activation.removesuffix(":fast"))["STASH"]
+    assert _config(5000, activation, other=True)["STASH"]
+    gate, up = _inputs((3, 5000), torch.bfloat16, activation)
+    q0, s0 = act_quant_triton(gate, up, activation)
+    q1, s1 = act_quant_triton(gate, up, activation, config={
+        "BLOCK": 1024, "ONE_PASS": False, "STASH": True, "num_warps": 4})
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+
+
 def test_config_override_rejects_a_block_shorter_than_the_row() -> None:
     gate, _ = _inputs((2, 300), torch.float32, "gelu_tanh")
     with pytest.raises(ValueError, match="cannot hold rows of 300"):
@@ -241,3 +260,43 @@ def test_fused_act_op_contract() -> None:
     y = torch.ops.kopt.fused_act(other, gate, up, "silu_mul", False)
     assert y.shape == (2, 5, 64) and torch.equal(
         y, torch.cat([torch.nn.functional.silu(gate) * up, other], -1))
+
+
+_COMPILE_SM90 = r'''
+import collections, torch
+from benchmarks.probes import ptx_sm90 as p
+from kopt.codegen.kernels import act_quant as aq
+for act in ("gelu_tanh:fast", "silu_mul:fast"):
+    x = torch.randn(64, 2 * 12288, dtype=torch.bfloat16)
+    up = x[:, 12288:] if act.startswith("silu") else None
+    with p.capture_launch(aq._act_quant_kernel) as launches:
+        aq.act_quant_triton(x[:, :12288], up, act, config=aq._config(12288))  # the stash
+    asm = p.compile_sm90(launches[0], NATIVE=True)
+    values = launches[0].args["BLOCK"] / (32 * launches[0].num_warps)
+    loops = [collections.Counter(p.sass_opcode(i) for i in body)
+             for body in p.sass_loops(p.sass(asm["cubin"]))[:2]]
+    first, second = (sum(c.values()) / values for c in loops)
+    print(act, "div.full" in asm["ptx"], loops[1]["FADD"], loops[0]["MUFU"] / values,
+          loops[0]["FSETP"], round(first + second, 1))
+'''
+
+
+def test_fast_activations_compile_to_one_mufu_each_for_exp_and_reciprocal() -> None:
+    """Compiled for sm_90 the way the JIT specialises a real launch (no GPU needed), in the
+    two-pass stashing form (whose loops count per value): the fast activations take ex2 and
+    rcp as one MUFU instruction each per value, with no range checks (FSETP) or full-range
+    division around them, and the exact quotient no per-value negation; session 16 counted
+    36-38 SASS instructions per value in the two passes before, 20-23 after
+    (``benchmarks/probes/ptx_sm90.py``)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in proc.stdout.strip().split("\n"):
+        act, div_full, fadd, mufu, fsetp, per_value = line.split()
+        assert (div_full, fadd, mufu, fsetp) == ("False", "0", "2.0", "0"), line
+        assert float(per_value) <= 24, line

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from benchmarks.kernels_rowwise import near_e4m3_ties
 from kopt.codegen.kernels.nvfp4 import (
+    e2m1_codes,
     nvfp4_global_scale,
     quant_nvfp4_reference,
     quant_nvfp4_triton,
@@ -41,6 +42,7 @@ from kopt.codegen.rowwise import (
     rowwise_triton,
 )
 from kopt.verify import relative_error
+from tests.cpu.test_codegen_quant import _e2m1_kernel, e2m1_probe_values
 from tests.cpu.test_codegen_rowwise import (
     ALL_OUTPUTS,
     _bitwise,
@@ -136,6 +138,15 @@ def test_nvfp4_producer_bitwise_on_cuda(shape: tuple, dtype: torch.dtype) -> Non
     q, s = quant_nvfp4_triton(x, g)
     qr, sr = quant_nvfp4_reference(x, g)
     assert torch.equal(q, qr) and _bitwise(s, sr)
+
+
+def test_e2m1_code_compiled_is_the_thresholds() -> None:
+    """The E2M1 coding by arithmetic, compiled (denormal products, max.f32 on NaN), against
+    the reference's thresholds bit for bit."""
+    v = e2m1_probe_values("cuda")
+    got = torch.empty(v.numel(), dtype=torch.int32, device="cuda")
+    _e2m1_kernel[(1,)](v, got, N=v.numel())
+    assert torch.equal(got, e2m1_codes(v).int())
 
 
 def test_custom_ops_dispatch_to_triton_on_cuda() -> None:

@@ -34,13 +34,14 @@ to nearest even.
 
 ``"silu_mul:fast"`` and ``"gelu_tanh:fast"`` (``FP8Config(activation_math="fast")``) compute
 the activation as ``x * sigmoid(v)`` (v = x for SiLU, v = 2 sqrt(2/pi) (x + 0.044715 x^3) for
-GELU: ``0.5 (1 + tanh(u)) = sigmoid(2u)``) with the GPU's approximate exp (``ex2.approx``) and
-division (``div.full``) instead of libdevice's expf/tanhf and an IEEE division: a few fp32 ulp
-from the exact value and no cancellation, so the activation rounded to bf16 differs from
-torch's where the exact value lies within those ulp of a rounding boundary, and in GELU's far
-negative tail (x below about -5), where torch's ``1 + tanh(u)`` cancels to a coarse value or 0
-and the fast form keeps the tiny true value (in FP8 both are 0 unless the whole row is that
-small).
+GELU: ``0.5 (1 + tanh(u)) = sigmoid(2u)``) as ``x * rcp(1 + ex2(-log2(e) v))`` with the GPU's
+approximate, flush-to-zero ``ex2`` and reciprocal (one MUFU instruction each) instead of
+libdevice's expf/tanhf and an IEEE division: a few fp32 ulp from the exact value and no
+cancellation, so the activation rounded to bf16 differs from torch's where the exact value lies
+within those ulp of a rounding boundary, and in GELU's negative tail (x from about -5 to -10),
+where torch's ``1 + tanh(u)`` cancels to a coarse value or 0 and the fast form keeps the tiny
+true value (in FP8 both are 0 unless the whole row is that small); further out (SiLU below
+-87, GELU below about -10) the flushed reciprocal gives -0, as torch's GELU does.
 Numerics tier: tolerance (tested against the exact reference and fp64); the quantization
 after it stays exact.
 
@@ -72,6 +73,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     e4m3_clamp,
     in_range,
     quant_fp8_rowwise_reference,
+    row_split,
 )
 from kopt.codegen.ops import define
 from kopt.codegen.pointwise import fp32, pw_div_by, pw_recip
@@ -89,6 +91,9 @@ _M_SQRT2, _M_2_SQRTPI, _M_SQRT1_2 = 1.41421356237309504880, 1.128379167095512573
 _K_BETA = tl.constexpr(fp32(_M_SQRT2 * _M_2_SQRTPI * 0.5))
 _K_KAPPA = tl.constexpr(fp32(0.044715))
 _K_ALPHA = tl.constexpr(fp32(_M_SQRT1_2))
+_K_NEG_LOG2E = tl.constexpr(fp32(-math.log2(math.e)))
+# The fast GELU's exponent in one product: -2 log2(e) kBeta (u = kBeta (x + kKappa x^3)).
+_K_GELU_EXP2 = tl.constexpr(fp32(-2.0 * math.log2(math.e) * _M_SQRT2 * _M_2_SQRTPI * 0.5))
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_AMAX = tl.constexpr(fp32(MIN_AMAX))
 # fp32(1 / 448): the reciprocal torch multiplies by for ``amax / 448`` on CUDA.
@@ -104,6 +109,16 @@ _INV_E4M3_MAX = fp32(1.0 / E4M3_MAX)
 # against 150-237 recomputing (the text shapes within 1 us of their best).
 _ONE_PASS_MAX = 2048
 _CHUNK = 2048
+# The fast activations cost about half the instructions since session 16 (no range checks
+# around ex2/rcp, a bf16 running maximum: 36-38 -> 20-23 SASS instructions per value), and
+# with that the whole row in registers, as one or two power-of-two tiles, beats the stash:
+# H200 (benchmarks/probes/act_onepass.py, CUDA graph, bitwise the same output) W1 GELU
+# 71.0 -> 63.1 us (8 warps), W2 SwiGLU 146.9 -> 120.6 (16 warps), W3 47.6 -> 37.5 (8 warps);
+# 32 warps slower everywhere. Warps so that a thread holds at most _ONE_PASS_VALUES values,
+# 8 to 16; rows up to _ONE_PASS_FAST_MAX (48 values per thread at 16 warps; longer rows were
+# not measured) without a concatenated tensor (its loop would take the row's wide tiles).
+_ONE_PASS_FAST_MAX = 24576
+_ONE_PASS_VALUES = 48
 _STASH_CTAS_PER_SM = 8
 # A stashing kernel loads a SwiGLU's two inputs with L2's evict-first policy (``STREAM``), so
 # that the stash stays in L2 instead of going out to HBM and back: H200, session 15
@@ -183,22 +198,39 @@ def to_e4m3(v, dt: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _fast_sigmoid_mul(x, v, NATIVE: tl.constexpr):
+    """``x / (1 + 2^v)``, the fast activations' form: on the GPU ``ex2.approx.ftz`` and
+    ``rcp.approx.ftz`` (one MUFU instruction each) and a multiply. Triton's ``tl.exp`` and
+    ``/`` are the same approximations with denormal handling around them: 7 more SASS
+    instructions per value (``benchmarks/probes/ptx_sm90.py``). Flushing changes nothing
+    above 2^-126: the only values it moves are quotients under 2^-126 (``1 + 2^v`` above
+    2^126: SiLU below x = -87, the fast GELU below about -10), which become -0, as torch's
+    exact GELU's ``1 + tanh(u)`` already cancels to below -5."""
+    d = 1.0 + tl.exp2(v)
+    if NATIVE:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        r = 1.0 / d
+    return x * r
+
+
+@triton.jit
 def act_values(x, up, dt: tl.constexpr, ACT: tl.constexpr, NATIVE: tl.constexpr):
     """The activation of fp32 values ``x`` (and ``up``, SwiGLU's other half; ignored by the
     GELUs), in fp32, rounded to ``dt`` as torch stores it."""
     if ACT == 0 or ACT == 3:
         if ACT == 0:
             silu = round_to(tl.math.div_rn(x, 1.0 + _exp(-x, NATIVE)), dt, NATIVE)
-        else:  # fast: tl.exp is ex2.approx, ``/`` div.full on the GPU
-            silu = round_to(x / (1.0 + tl.exp(-x)), dt, NATIVE)
+        else:  # fast: x sigmoid(x), exp(-x) = 2^(-log2(e) x)
+            silu = round_to(_fast_sigmoid_mul(x, x * _K_NEG_LOG2E, NATIVE), dt, NATIVE)
         a = silu * up
     elif ACT == 1:
         # nvcc contracts torch's ``x + kKappa * x_cube`` into one fma, and nothing else.
         inner = _K_BETA * tl.fma(x * x * x, _K_KAPPA, x)
         a = 0.5 * x * (1.0 + _tanh(inner, NATIVE))
-    elif ACT == 4:  # fast: 0.5 x (1 + tanh(u)) = x sigmoid(2u)
-        inner = _K_BETA * tl.fma(x * x * x, _K_KAPPA, x)
-        a = x / (1.0 + tl.exp(-2.0 * inner))
+    elif ACT == 4:  # fast: 0.5 x (1 + tanh(u)) = x sigmoid(2u), exp(-2u) = 2^(-2 log2(e) u)
+        a = _fast_sigmoid_mul(x, tl.fma(x * x * x, _K_KAPPA, x) * _K_GELU_EXP2, NATIVE)
     else:
         a = x * 0.5 * (1.0 + _erf(x * _K_ALPHA, NATIVE))
     return round_to(a, dt, NATIVE)
@@ -274,16 +306,19 @@ def _act_quant_row(
             a2 = _activation(x_row, u_row, cols2, mask2, sxn, sun, dt, ACT, NATIVE)
             amax = tl.maximum(amax, tl.max(tl.where(mask2, tl.abs(a2), 0.0), axis=0))
     else:
-        amax_a = tl.zeros((BLOCK,), dtype=tl.float32)
+        # The running maximum in x's dtype: the activation is already rounded to it (the
+        # conversion is exact and folds away), and the maximum of such values is exact in it
+        # (bf16: two values per instruction, no conversion back to fp32 per value).
+        amax_a = tl.zeros((BLOCK,), dtype=dt)
         for start in range(0, N, BLOCK):
             mask = in_range(start + cols, N, EVEN)
             a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE,
-                            STASH and STREAM)
-            amax_a = tl.maximum(amax_a, tl.where(mask, tl.abs(a), 0.0))
-            if STASH:  # a is already rounded to dt: the stash holds it exactly
-                tl.store(stash_row + start + cols, a.to(dt), mask=mask,
-                         eviction_policy="evict_last")
-        amax = tl.max(amax_a, axis=0)
+                            STASH and STREAM).to(dt)
+            # (Triton 3.6 computes a bf16 maximum in fp32: the cast back keeps the loop's type)
+            amax_a = tl.maximum(amax_a, tl.where(mask, tl.abs(a), tl.zeros_like(a))).to(dt)
+            if STASH:
+                tl.store(stash_row + start + cols, a, mask=mask, eviction_policy="evict_last")
+        amax = tl.max(amax_a, axis=0).to(tl.float32)
     if HAS_OTHER:
         amax_o = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, P, BLOCK):
@@ -419,13 +454,19 @@ def act_reference(other: torch.Tensor | None, x: torch.Tensor, up: torch.Tensor 
     return torch.cat([other, a] if other_first else [a, other], -1)
 
 
-def _config(n: int) -> dict[str, int]:
-    """Whole row in one block up to _ONE_PASS_MAX features, else _CHUNK-wide chunks with the
+def _config(n: int, activation: str = "", other: bool = False) -> dict[str, int]:
+    """Whole row in one block up to _ONE_PASS_MAX features; a fast activation's row up to
+    _ONE_PASS_FAST_MAX in one pass of two tiles (no ``other``); else _CHUNK-wide chunks with the
     activation stashed between the passes."""
     block = triton.next_power_of_2(n)
     if block <= _ONE_PASS_MAX:
         return {"BLOCK": block, "ONE_PASS": True, "STASH": False,
                 "num_warps": max(1, min(8, block // 256))}
+    if activation.endswith(FAST) and not other and n <= _ONE_PASS_FAST_MAX:
+        block, block2 = row_split(n, 16)
+        warps = triton.next_power_of_2(-(-n // (32 * _ONE_PASS_VALUES)))
+        return {"BLOCK": block, "BLOCK2": block2, "ONE_PASS": True, "STASH": False,
+                "num_warps": max(8, min(16, warps))}
     return {"BLOCK": _CHUNK, "ONE_PASS": False, "STASH": True, "num_warps": 8}
 
 
@@ -482,7 +523,7 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     x3 = as_3d(x)
     u3 = as_3d(up) if up is not None else x3
     o3 = as_3d(other) if other is not None else x3
-    cfg = _config(n) if config is None else config
+    cfg = _config(n, activation, other is not None) if config is None else config
     block2 = cfg.get("BLOCK2", 0) if cfg["ONE_PASS"] else 0
     if cfg["ONE_PASS"] and cfg["BLOCK"] + block2 < n:
         raise ValueError(f"a one-pass block of {cfg['BLOCK'] + block2} cannot hold rows of {n}")

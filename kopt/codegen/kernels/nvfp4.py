@@ -49,12 +49,14 @@ from kopt.codegen.kernels.quant_fp8 import (
     E4M3_MAX,
     e4m3_bits,
     e4m3_value,
+    even_tiles,
+    in_range,
     mirror_cuda,
     row_split,
     row_tiling,
     triton_supported,
 )
-from kopt.codegen.pointwise import pw_div
+from kopt.codegen.pointwise import pw_div, pw_div_by, pw_recip
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -164,28 +166,41 @@ def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 @triton.jit
 def e2m1_code(v):
-    """fp32 -> E2M1 code (int32, 0..15), the thresholds of :data:`_E2M1_STEPS`."""
-    a = tl.abs(v)
-    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-         + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-         + (a > 5.0).to(tl.int32))
-    return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    """fp32 -> E2M1 code (int32, 0..15): nearest even, saturating at 6 (the thresholds of
+    :data:`_E2M1_STEPS`), the sign bit kept; NaN -> 0 with its sign bit, as the reference's
+    comparisons give. By arithmetic instead of seven comparisons (11 instead of about 20 SASS
+    instructions per value): |v| is rounded to the E2M1 grid, whose step is 2^(e - 1) for
+    |v| in [2^e, 2^(e+1)), e >= 0 (0.5 below 2), by adding and subtracting
+    ``magic = 1.5 * 2^23 * step`` (fp32's own nearest-even rounding at that step), and the
+    rounded value r scaled by 2^-126 has E2M1's bits as its fp32 bits 22..24: 0.5 -> 2^-127,
+    a denormal with bit 22 set (code 1); 1 -> 2^-126 (code 2); 6 = 1.5 * 4 -> code 7."""
+    a = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)  # max(NaN, 0) = 0 (PTX max.f32)
+    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)  # biased exponent, at least 2^0
+    magic = (((e + 22) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(e-105)
+    r = (a + magic) - magic
+    code = (r * 1.1754943508222875e-38).to(tl.int32, bitcast=True) >> 22  # r * 2^-126
+    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
 def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
-                BLOCK: tl.constexpr, C0: tl.constexpr, CUDA: tl.constexpr):
+                BLOCK: tl.constexpr, C0: tl.constexpr, EVEN: tl.constexpr,
+                CUDA: tl.constexpr):
     """Quantize the [ROWS, BLOCK] fp32 tile ``v`` of columns C0 .. C0 + BLOCK (zero outside
     the valid rows and columns; BLOCK >= 64, C0 a multiple of 64) to NVFP4 with global scale
     ``g`` (fp32 scalar). Programs must cover round_up(rows, 128) rows and the tiles
     round_up(cols, 64) columns: those past ``rows``/``cols`` write the zero padding of the
-    scales."""
+    scales. ``EVEN``: the launch covers the rows and columns exactly (no masks).
+
+    ``x / d`` is the IEEE quotient through d's reciprocal (:func:`pw_div_by`: one division per
+    16 values instead of one per value), exact where ``b q - x`` does not underflow: for
+    |x| > 2^-100 or so, as the FP8 quantizers' (d ~ amax / 6 here)."""
     v3 = tl.reshape(v, [ROWS, BLOCK // 16, 16])
     amax = tl.max(tl.abs(v3), axis=2)
     s = tl.minimum(pw_div(amax, g * 6.0), 448.0)
     s_bits = e4m3_bits(s, CUDA)
     d = e4m3_value(s_bits, CUDA) * g
-    q = pw_div(v3, d[:, :, None])
+    q = pw_div_by(v3, d[:, :, None], pw_recip(d)[:, :, None], CUDA)
     q = tl.where(d[:, :, None] == 0.0, 0.0, q)
     pairs = tl.reshape(e2m1_code(q), [ROWS, BLOCK // 2, 2])
     lo, hi = tl.split(pairs)
@@ -193,33 +208,38 @@ def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
     half = C0 // 2 + tl.arange(0, BLOCK // 2)
     r = row[:, None]
     q_offs = r.to(tl.int64) * (cols // 2) + half[None, :]
-    tl.store(q_ptr + q_offs, packed, mask=(r < rows) & (half < cols // 2)[None, :])
+    tl.store(q_ptr + q_offs, packed,
+             mask=in_range(r, rows, EVEN) & in_range(half, cols // 2, EVEN)[None, :])
     # swizzled scales: 128x4 tiles of 512 bytes, row-of-tiles major
     b = C0 // 16 + tl.arange(0, BLOCK // 16)[None, :]
     col_tiles = (cols // 16 + 3) // 4
     tile = (r // 128).to(tl.int64) * col_tiles + b // 4
     s_offs = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + b % 4
-    s_mask = (r < (rows + 127) // 128 * 128) & (b < col_tiles * 4)
+    s_mask = in_range(r, (rows + 127) // 128 * 128, EVEN) & in_range(b, col_tiles * 4, EVEN)
     tl.store(s_ptr + s_offs, s_bits, mask=s_mask)
 
 
 @triton.jit
 def _quant_nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, rows, cols, stride_x, ROWS: tl.constexpr,
-                        BLOCK: tl.constexpr, BLOCK2: tl.constexpr, CUDA: tl.constexpr):
-    """A row is one BLOCK-wide tile, or two: BLOCK, then BLOCK2 > 0 more (``row_split``)."""
+                        BLOCK: tl.constexpr, BLOCK2: tl.constexpr, EVEN: tl.constexpr,
+                        CUDA: tl.constexpr):
+    """A row is one BLOCK-wide tile, or two: BLOCK, then BLOCK2 > 0 more (``row_split``).
+    ``EVEN``: the programs' rows and the tiles' columns are all in range (no masks)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.load(g_ptr)
     col = tl.arange(0, BLOCK)
-    mask = (row < rows)[:, None] & (col < cols)[None, :]
+    rmask = in_range(row, rows, EVEN)
+    mask = rmask[:, None] & in_range(col, cols, EVEN)[None, :]
     v = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS, BLOCK, 0, CUDA)
+    nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS, BLOCK, 0, EVEN, CUDA)
     if BLOCK2 > 0:
         col2 = BLOCK + tl.arange(0, BLOCK2)
-        mask2 = (row < rows)[:, None] & (col2 < cols)[None, :]
+        mask2 = rmask[:, None] & in_range(col2, cols, EVEN)[None, :]
         v2 = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col2[None, :], mask=mask2,
                      other=0.0).to(tl.float32)
-        nvfp4_store(v2, row, rows, col2, cols, q_ptr, s_ptr, g, ROWS, BLOCK2, BLOCK, CUDA)
+        nvfp4_store(v2, row, rows, col2, cols, q_ptr, s_ptr, g, ROWS, BLOCK2, BLOCK, EVEN,
+                    CUDA)
 
 
 def nvfp4_launch_rows(rows: int) -> int:
@@ -244,12 +264,17 @@ def quant_nvfp4_triton(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[
         return q, scales
     launch_rows = nvfp4_launch_rows(rows)
     _, rows_per, warps = row_tiling(k, launch_rows, 64)
+    # Half the row-wise kernels' warps (about 48 values a thread at W1/W2 widths): H200,
+    # benchmarks/probes/act_onepass.py, W2 36.8 -> 35.4 us, W1 18.5 -> 18.2 (session 16).
+    warps = max(1, warps // 2)
     block, block2 = row_split(k, 64)
     grid = (triton.cdiv(launch_rows, rows_per),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quant_nvfp4_kernel[grid](
             x2, q, scales.view(torch.uint8), global_scale, rows, k, x2.stride(0),
-            ROWS=rows_per, BLOCK=block, BLOCK2=block2, CUDA=mirror_cuda(_quant_nvfp4_kernel, x),
+            ROWS=rows_per, BLOCK=block, BLOCK2=block2,
+            EVEN=launch_rows == rows and even_tiles(rows, rows_per, k, block, block2),
+            CUDA=mirror_cuda(_quant_nvfp4_kernel, x),
             num_warps=warps, enable_fp_fusion=False,
         )
     return q, scales
