@@ -175,6 +175,8 @@ def report(name: str, asm: dict[str, object], values_per_iteration: float | None
         per = f", {len(loop) / values_per_iteration:.1f} per value" if values_per_iteration \
             else ""
         ops = collections.Counter(sass_opcode(i) for i in loop)
+        if values_per_iteration and ops["STG"] > 1:  # ptxas unrolled the chunk loop
+            per += f" if not unrolled ({ops['STG']} stores: / {ops['STG']} if unrolled)"
         print(f"   SASS loop {j}: {len(loop)} instructions{per}")
         print("     ", dict(ops.most_common(30)))
     ptx = asm["ptx"]

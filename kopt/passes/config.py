@@ -35,9 +35,10 @@ class FP8Config:
 
     activation_math: str = "fast"
     """How the fused activation + quantizer (``fuse_act_quant``) computes SiLU and GELU(tanh):
-    ``fast``: ``x * sigmoid(v)`` with the GPU's approximate exp and division, a few fp32 ulp
-    from exact (tolerance tier; the kernel 1.17-1.65x faster at the W1/W2/W3 image-token shapes,
-    the same output error on W1 and W2: benchmarks/RESULTS.md session 11); ``exact``: as
+    ``fast``: ``x * sigmoid(v)`` with the GPU's approximate exp and reciprocal, a few fp32 ulp
+    from exact, and the quotient by the FP8 scale as a product with its reciprocal (tolerance
+    tier; the kernel 1.17-1.65x faster at the W1/W2/W3 image-token shapes in session 11, 1.50-1.65x
+    more in session 16, the same output error on W1 and W2: benchmarks/RESULTS.md); ``exact``: as
     torch's CUDA kernels do (libdevice expf/tanhf, IEEE division; the FP8 values bitwise those
     of the unfused graph). See :mod:`kopt.codegen.kernels.act_quant`."""
 

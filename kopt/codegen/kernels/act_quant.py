@@ -42,8 +42,11 @@ within those ulp of a rounding boundary, and in GELU's negative tail (x from abo
 where torch's ``1 + tanh(u)`` cancels to a coarse value or 0 and the fast form keeps the tiny
 true value (in FP8 both are 0 unless the whole row is that small); further out (SiLU below
 -87, GELU below about -10) the flushed reciprocal gives -0, as torch's GELU does.
-Numerics tier: tolerance (tested against the exact reference and fp64); the quantization
-after it stays exact.
+The quotient by the row's scale is then the product with its reciprocal (no corrections):
+within 1.5 fp32 ulp of the IEEE quotient, so an e4m3 value one step off where the quotient lies
+that close to a rounding midpoint, the size of difference the fast activation already makes;
+the scales are the exact formula's.
+Numerics tier: tolerance (tested against the exact reference and fp64).
 
 ``NATIVE`` (the kernel compiled for the GPU) is False under ``TRITON_INTERPRET=1``: there is no
 libdevice there (numpy's exp/erf instead; tanh from exp, see :func:`_tanh`), and its casts
@@ -258,6 +261,20 @@ def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.co
 
 
 @triton.jit
+def _quotient(a, scale, r_scale, ACT: tl.constexpr, NATIVE: tl.constexpr):
+    """``a / scale`` before the e4m3 cast: the IEEE quotient (:func:`pw_div_by`: a multiply,
+    four fmas and an or per value) for the exact activations; for the fast ones (ACT >= 3) on
+    the GPU the product with the scale's reciprocal, within 1.5 fp32 ulp of it, which moves an
+    e4m3 value by one step only where the quotient lies that close to a rounding midpoint: the
+    same kind and size of difference the fast activation itself makes."""
+    if ACT >= 3 and NATIVE:
+        q = a * r_scale
+    else:
+        q = pw_div_by(a, scale, r_scale, NATIVE)
+    return q
+
+
+@triton.jit
 def _rows(row, x_ptr, u_ptr, o_ptr, y_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1,
           OTHER_FIRST: tl.constexpr):
     """Row ``row``'s gate, up and other input rows, and where in the output row of ``N + P``
@@ -334,10 +351,10 @@ def _act_quant_row(
     r_scale = pw_recip(scale)
     qt = q_ptr.dtype.element_ty
     if ONE_PASS:
-        q = e4m3_clamp(pw_div_by(a, scale, r_scale, NATIVE), NATIVE)
+        q = e4m3_clamp(_quotient(a, scale, r_scale, ACT, NATIVE), NATIVE)
         tl.store(qa_row + cols, to_e4m3(q, qt, NATIVE), mask=mask)
         if BLOCK2 > 0:
-            q2 = e4m3_clamp(pw_div_by(a2, scale, r_scale, NATIVE), NATIVE)
+            q2 = e4m3_clamp(_quotient(a2, scale, r_scale, ACT, NATIVE), NATIVE)
             tl.store(qa_row + cols2, to_e4m3(q2, qt, NATIVE), mask=mask2)
     else:
         if STASH:
@@ -349,7 +366,7 @@ def _act_quant_row(
                             eviction_policy="evict_last").to(tl.float32)
             else:
                 a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
-            q = e4m3_clamp(pw_div_by(a, scale, r_scale, NATIVE), NATIVE)
+            q = e4m3_clamp(_quotient(a, scale, r_scale, ACT, NATIVE), NATIVE)
             tl.store(qa_row + start + cols, to_e4m3(q, qt, NATIVE), mask=mask)
         if STASH:
             tl.debug_barrier()  # read back before the next row overwrites it
@@ -357,7 +374,7 @@ def _act_quant_row(
         for start in range(0, P, BLOCK):
             m = in_range(start + cols, P, EVEN)
             v = tl.load(o_row + (start + cols) * son, mask=m, other=0.0).to(tl.float32)
-            q = e4m3_clamp(pw_div_by(v, scale, r_scale, NATIVE), NATIVE)
+            q = e4m3_clamp(_quotient(v, scale, r_scale, ACT, NATIVE), NATIVE)
             tl.store(qo_row + start + cols, to_e4m3(q, qt, NATIVE), mask=m)
 
 
