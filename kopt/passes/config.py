@@ -38,7 +38,8 @@ class FP8Config:
     ``fast``: ``x * sigmoid(v)`` with the GPU's approximate exp and reciprocal, a few fp32 ulp
     from exact, and the quotient by the FP8 scale as a product with its reciprocal (tolerance
     tier; the kernel 1.17-1.65x faster at the W1/W2/W3 image-token shapes in session 11, 1.50-1.65x
-    more in session 16, the same output error on W1 and W2: benchmarks/RESULTS.md); ``exact``: as
+    more in session 16 (across two calls), the same output error on W1 and W2:
+    benchmarks/RESULTS.md); ``exact``: as
     torch's CUDA kernels do (libdevice expf/tanhf, IEEE division; the FP8 values bitwise those
     of the unfused graph). See :mod:`kopt.codegen.kernels.act_quant`."""
 
