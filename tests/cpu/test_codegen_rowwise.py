@@ -545,7 +545,8 @@ ptx.append(build(nv._quant_nvfp4_kernel, [x, x.view(torch.uint8), x.view(torch.u
                  dict(ROWS=1, BLOCK=2048, BLOCK2=1024, EVEN=False, CUDA=True), 8))
 for i, p in enumerate(ptx):
     print(i, "e4m3" if "cvt.rn.satfinite.e4m3x2.f32" in p else "-",
-          "div.rn" if "div.rn.f32" in p else "-", "bf16" if ("cvt.rn.bf16.f32" in p or "cvt.rn.bf16x2.f32" in p) else "-",
+          "div.rn" if "div.rn.f32" in p else "-",
+          "bf16" if ("cvt.rn.bf16.f32" in p or "cvt.rn.bf16x2.f32" in p) else "-",
           "approx-div" if ("div.full.f32" in p or "div.approx.f32" in p) else "-")
 # the FP8 default's LayerNorm + adaLN + FP8 on rows the tiles cover (3072 = 2048 + 1024)
 spec = rw.RowwiseSpec(bf, norm="layer", modulation=True, outputs=("fp8_row",),
