@@ -3,7 +3,7 @@ two-pass kernel, now that the activation costs about half the instructions (sess
 the NVFP4 quantizer's tiling (rows per program x warps). Each replayed from a CUDA graph over
 rotating inputs; outputs checked bitwise against the default's.
 
-    python -m benchmarks.probes.act_onepass
+    python -m benchmarks.probes.act_onepass [act|nvfp4]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kopt.codegen.kernels.act_quant import _config, act_quant_triton
 from kopt.codegen.kernels.quant_fp8 import even_tiles, row_split
 
 CASES = {"W1 image MLP, GELU(tanh) fast": (8192, 4096), "W2 image FF, SwiGLU fast": (16384, 2048),
-         "W3 Qwen3-8B prefill, SwiGLU fast": (8192, 4096)}
+         "W3 Qwen3-8B prefill, SwiGLU fast": (8192, 4096),
+         "W1 text MLP, GELU(tanh) fast": (8192, 4096), "W2 text FF, SwiGLU fast": (16384, 2048)}
 
 
 def _equal(a: tuple, b: tuple) -> bool:
@@ -34,10 +35,15 @@ def act() -> None:
         sets = [dict(zip(("x", "up"), act_inputs(case, seed=s), strict=True))
                 for s in range(max(2, -(-4 * L2_BYTES // moved)))]
         configs = {"stash (the default to session 15)": _config(case.features)}
+        configs["default"] = _config(case.features, case.activation)
         for warps in (8, 16, 32):
-            configs[f"one pass {block}+{block2}, {warps} warps"] = {
-                "BLOCK": block, "BLOCK2": block2, "ONE_PASS": True, "STASH": False,
-                "num_warps": warps}
+            for merged in (False, True):
+                if merged and (warps != 8 or block != 2 * block2):
+                    continue  # (the reshape is a layout conversion there: SASS on the CPU)
+                configs[f"one pass {block}+{block2}, {warps} warps"
+                        + (", one reduction" if merged else "")] = {
+                    "BLOCK": block, "BLOCK2": block2, "ONE_PASS": True, "STASH": False,
+                    "num_warps": warps, "ONE_REDUCTION": merged}
         want = act_quant_triton(x, up, case.activation)
         for name, cfg in configs.items():
             same = _equal(act_quant_triton(x, up, case.activation, config=cfg), want)
@@ -74,5 +80,10 @@ def nvfp4() -> None:
 
 
 if __name__ == "__main__":
-    act()
-    nvfp4()
+    import sys
+
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which in ("all", "act"):
+        act()
+    if which in ("all", "nvfp4"):
+        nvfp4()

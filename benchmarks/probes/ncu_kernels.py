@@ -6,7 +6,8 @@
 
 Row-wise: LayerNorm + adaLN + FP8 (fp32 steps, and the 1x128 variant), RMSNorm + FP8 and the
 NVFP4 quantizer, each at W1 and W2 rows followed by a copy of its input; act + quant: W1's
-GELU(tanh) and W2's SwiGLU image rows (fast math). Each kernel runs ``NCU_REPS`` times (3).
+GELU(tanh) image and text rows and W2's SwiGLU image rows (fast math). Each kernel runs
+``NCU_REPS`` times (3).
 With ``TRITON_CACHE_DIR`` set, the compiled kernels (PTX, cubin: ``cuobjdump -sass``) land
 there: session 15 counted instructions per value from them (benchmarks/RESULTS.md).
 """
@@ -25,7 +26,8 @@ from kopt.codegen.kernels.act_quant import act_quant_triton
 
 ROWWISE = ("layernorm+adaLN+fp8, fp32 steps", "layernorm+adaLN+fp8 1x128", "rmsnorm+fp8",
            "quant nvfp4")
-ACT = ("W1 image MLP, GELU(tanh) fast", "W2 image FF, SwiGLU fast")
+ACT = ("W1 image MLP, GELU(tanh) fast", "W1 text MLP, GELU(tanh) fast",
+       "W2 image FF, SwiGLU fast")
 
 
 def repeat(fn: Callable[[], object]) -> None:

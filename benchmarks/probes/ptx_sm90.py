@@ -75,7 +75,7 @@ def compile_sm90(launch: Launch, **constexprs: object) -> dict[str, object]:
     values = dict(launch.args, **constexprs)
     signature, consts, attrs = {}, {}, {}
     for i, p in enumerate(jit.params):
-        value = values[p.name]
+        value = values[p.name] if p.name in values or not p.has_default else p.default
         if p.is_constexpr:
             signature[p.name], consts[p.name] = "constexpr", value
             continue

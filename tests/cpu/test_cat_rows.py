@@ -37,6 +37,7 @@ def _slices(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0
 @pytest.mark.parametrize(("shapes", "dim"), [
     ([(1, 7, 3, 5), (1, 130, 3, 5)], 1),      # joint [text; image] V, odd sizes
     ([(2, 3, 4, 6), (2, 5, 4, 6), (2, 1, 4, 6)], 1),  # three inputs, batch 2 (outer stride)
+    ([(2, 3, 4, 6), (2, 5, 4, 6)], 1),          # two in one launch, batch 2
     ([(4, 9), (6, 9)], 0),                      # rows of a 2-d slice
     ([(2, 3, 5000), (2, 3, 5000)], 2),          # cat along the last dim, rows > one block
     ([(3, 2, 5), (3, 4, 5)], -2),               # negative dim
@@ -56,7 +57,7 @@ def test_kernel_is_bitwise_torch_cat(shapes: list, dim: int, dtype: torch.dtype)
 def test_kernel_adds_a_bias_on_the_way_bitwise(dtype: torch.dtype) -> None:
     xs = _slices([(1, 7, 3, 5), (1, 130, 3, 5)], dtype, seed=3)
     b = torch.randn(15).to(dtype) * 4
-    for biases in ([None, b], [b, b]):
+    for biases in ([None, b], [b, b], [b, -2 * b]):
         got = cat_rows_triton(xs, 1, biases)
         want = torch.cat([x if bias is None else x + bias.view(3, 5)
                           for x, bias in zip(xs, biases, strict=True)], 1)

@@ -303,3 +303,43 @@ def test_fast_activations_compile_to_one_mufu_each_for_exp_and_reciprocal() -> N
         assert (div_full, fadd, mufu, fsetp) == ("False", "0", "2.0", "0"), line
         assert float(per_value) <= 20, line
     assert exact.split()[2] == "0", exact  # the exact quotient's residual: no subtraction
+
+
+_COMPILE_ONE_PASS = r'''
+import collections, torch
+from benchmarks.probes import ptx_sm90 as p
+from kopt.codegen.kernels import act_quant as aq
+for act, n in (("gelu_tanh:fast", 12288), ("silu_mul:fast", 18432)):
+    x = torch.randn(64, 2 * n, dtype=torch.bfloat16)
+    up = x[:, n:] if act.startswith("silu") else None
+    with p.capture_launch(aq._act_quant_kernel) as launches:
+        aq.act_quant_triton(x[:, :n], up, act)  # the default: one pass of two tiles
+    launch = launches[0]
+    asm = p.compile_sm90(launch, NATIVE=True)
+    ops = collections.Counter(p.sass_opcode(i) for _, i in p.sass(asm["cubin"]))
+    per_thread = (launch.args["BLOCK"] + launch.args["BLOCK2"]) // (32 * launch.num_warps)
+    print(act, launch.args["PAIRS"], launch.args["ONE_REDUCTION"], ops["STS"], ops["STL"],
+          "cvt.rn.bf16x2.f32" in asm["ptx"], round(sum(ops.values()) / per_thread, 1))
+'''
+
+
+def test_one_pass_kernels_convert_bf16_in_pairs_and_reduce_once() -> None:
+    """The one-pass default at W1's GELU and W2's SwiGLU rows, compiled for sm_90 as the JIT
+    specialises the launch: bf16 widened and (GELU) rounded two values at a time, GELU's two
+    tiles reduced across the threads once (one shared-memory exchange, not a layout
+    conversion of the tile), no local memory; under 17 (GELU) and 19 (SwiGLU) SASS
+    instructions per value (session 16: 19 and 19.1; benchmarks/RESULTS.md, session 17)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ONE_PASS], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gelu, swiglu = (line.split() for line in proc.stdout.strip().split("\n"))
+    # (shared-memory stores: one or two per cross-thread reduction, by Triton version)
+    assert gelu[1:3] == ["True", "True"] and int(gelu[3]) <= 2 and gelu[4:6] == ["0", "True"], gelu
+    assert float(gelu[6]) <= 17, gelu
+    assert swiglu[1:3] == ["True", "False"] and int(swiglu[3]) <= 4 and swiglu[4] == "0", swiglu
+    assert float(swiglu[6]) <= 19, swiglu

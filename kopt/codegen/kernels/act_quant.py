@@ -68,7 +68,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kopt.codegen import fp64_reference
-from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
+from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_pairs, round_to, widen
 from kopt.codegen.kernels.quant_fp8 import (
     E4M3,
     E4M3_MAX,
@@ -97,6 +97,8 @@ _K_ALPHA = tl.constexpr(fp32(_M_SQRT1_2))
 _K_NEG_LOG2E = tl.constexpr(fp32(-math.log2(math.e)))
 # The fast GELU's exponent in one product: -2 log2(e) kBeta (u = kBeta (x + kKappa x^3)).
 _K_GELU_EXP2 = tl.constexpr(fp32(-2.0 * math.log2(math.e) * _M_SQRT2 * _M_2_SQRTPI * 0.5))
+_K_GELU_EXP2_CUBE = tl.constexpr(fp32(-2.0 * math.log2(math.e) * _M_SQRT2 * _M_2_SQRTPI * 0.5
+                                        * 0.044715))
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_AMAX = tl.constexpr(fp32(MIN_AMAX))
 # fp32(1 / 448): the reciprocal torch multiplies by for ``amax / 448`` on CUDA.
@@ -120,6 +122,8 @@ _CHUNK = 2048
 # 32 warps slower everywhere. Warps so that a thread holds at most _ONE_PASS_VALUES values,
 # 8 to 16; rows up to _ONE_PASS_FAST_MAX (48 values per thread at 16 warps; longer rows were
 # not measured) without a concatenated tensor (its loop would take the row's wide tiles).
+# Session 17: bf16 widened and rounded two values at a time and GELU's exponent in one fma
+# (19 -> 16.5 SASS instructions per value): W1 GELU 54.2 -> 44.3 us, 0.89 of a same-size copy.
 _ONE_PASS_FAST_MAX = 24576
 _ONE_PASS_VALUES = 48
 _STASH_CTAS_PER_SM = 8
@@ -220,36 +224,44 @@ def _fast_sigmoid_mul(x, v, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def act_values(x, up, dt: tl.constexpr, ACT: tl.constexpr, NATIVE: tl.constexpr):
+def act_values(x, up, dt: tl.constexpr, ACT: tl.constexpr, NATIVE: tl.constexpr,
+               PAIRS: tl.constexpr = False):
     """The activation of fp32 values ``x`` (and ``up``, SwiGLU's other half; ignored by the
-    GELUs), in fp32, rounded to ``dt`` as torch stores it."""
+    GELUs), in fp32, rounded to ``dt`` as torch stores it. ``PAIRS``: each thread holds an even
+    number of values (:func:`round_pairs` may take them two at a time)."""
     if ACT == 0 or ACT == 3:
         if ACT == 0:
             silu = round_to(tl.math.div_rn(x, 1.0 + _exp(-x, NATIVE)), dt, NATIVE)
         else:  # fast: x sigmoid(x), exp(-x) = 2^(-log2(e) x)
             silu = round_to(_fast_sigmoid_mul(x, x * _K_NEG_LOG2E, NATIVE), dt, NATIVE)
+        # (two values rounded to dt, and their product rounded to it: ptxas makes this one
+        # packed bf16 multiply per two values)
         a = silu * up
     elif ACT == 1:
         # nvcc contracts torch's ``x + kKappa * x_cube`` into one fma, and nothing else.
         inner = _K_BETA * tl.fma(x * x * x, _K_KAPPA, x)
         a = 0.5 * x * (1.0 + _tanh(inner, NATIVE))
     elif ACT == 4:  # fast: 0.5 x (1 + tanh(u)) = x sigmoid(2u), exp(-2u) = 2^(-2 log2(e) u)
-        a = _fast_sigmoid_mul(x, tl.fma(x * x * x, _K_KAPPA, x) * _K_GELU_EXP2, NATIVE)
+        a = _fast_sigmoid_mul(x, x * tl.fma(x * x, _K_GELU_EXP2_CUBE, _K_GELU_EXP2), NATIVE)
     else:
         a = x * 0.5 * (1.0 + _erf(x * _K_ALPHA, NATIVE))
-    return round_to(a, dt, NATIVE)
+    if ACT != 0 and ACT != 3:
+        a = round_pairs(a, dt, NATIVE, PAIRS)
+    else:
+        a = round_to(a, dt, NATIVE)
+    return a
 
 
 @triton.jit
 def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.constexpr,
-                NATIVE: tl.constexpr, STREAM: tl.constexpr = False):
+                NATIVE: tl.constexpr, STREAM: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """The activation of one chunk of a row, in fp32, rounded to ``dt`` as torch stores it.
     ``STREAM``: its inputs, read once, are the first lines L2 evicts (the stash stays)."""
     if STREAM:
         x = tl.load(x_row + cols * sxn, mask=mask, other=0.0, eviction_policy="evict_first")
     else:
         x = tl.load(x_row + cols * sxn, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = widen(x, NATIVE and PAIRS)
     if ACT == 0 or ACT == 3:
         if STREAM:
             up = tl.load(u_row + cols * sun, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -258,7 +270,7 @@ def _activation(x_row, u_row, cols, mask, sxn, sun, dt: tl.constexpr, ACT: tl.co
         up = up.to(tl.float32)
     else:
         up = x
-    return act_values(x, up, dt, ACT, NATIVE)
+    return act_values(x, up, dt, ACT, NATIVE, PAIRS)
 
 
 @triton.jit
@@ -300,7 +312,8 @@ def _act_quant_row(
     R2, N, P, sx0, sx1, sxn, su0, su1, sun, so0, so1, son, inv_max,
     ACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr, ONE_PASS: tl.constexpr,
     STASH: tl.constexpr, HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr,
-    EVEN: tl.constexpr, STREAM: tl.constexpr, NATIVE: tl.constexpr,
+    EVEN: tl.constexpr, STREAM: tl.constexpr, NATIVE: tl.constexpr, ONE_REDUCTION: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """One row: the activation, its absolute maximum, the scale and the e4m3 values. One pass
     holds the row in registers as one BLOCK-wide tile, or two (BLOCK2 > 0 more columns after
@@ -309,20 +322,30 @@ def _act_quant_row(
     ``cat([act, other])``: P more features read as they are. Two passes over a long row compute
     the activation twice, or (``STASH``) once: the first pass also stores it, in x's dtype,
     at ``stash_row``, and the second reads it back. ``EVEN``: the blocks cover the N (and P)
-    features exactly (no masks). See the module docstring."""
+    features exactly (no masks). ``ONE_REDUCTION``: a one-pass row's two tiles share one
+    reduction across the threads (each thread folds the first tile's values onto the second's
+    columns, which it also holds: the launcher sets it where the layouts make that free).
+    See the module docstring."""
     row, x_row, u_row, o_row, qa_row, qo_row = _rows(
         row, x_ptr, u_ptr, o_ptr, q_ptr, R2, N, P, sx0, sx1, su0, su1, so0, so1, OTHER_FIRST)
     dt = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = in_range(cols, N, EVEN)
-        a = _activation(x_row, u_row, cols, mask, sxn, sun, dt, ACT, NATIVE)
-        amax = tl.max(tl.where(mask, tl.abs(a), 0.0), axis=0)
+        a = _activation(x_row, u_row, cols, mask, sxn, sun, dt, ACT, NATIVE, PAIRS=PAIRS)
+        if not ONE_REDUCTION:
+            amax = tl.max(tl.where(mask, tl.abs(a), 0.0), axis=0)
         if BLOCK2 > 0:
             cols2 = BLOCK + tl.arange(0, BLOCK2)
             mask2 = in_range(cols2, N, EVEN)
-            a2 = _activation(x_row, u_row, cols2, mask2, sxn, sun, dt, ACT, NATIVE)
-            amax = tl.maximum(amax, tl.max(tl.where(mask2, tl.abs(a2), 0.0), axis=0))
+            a2 = _activation(x_row, u_row, cols2, mask2, sxn, sun, dt, ACT, NATIVE,
+                             PAIRS=PAIRS)
+            if ONE_REDUCTION:  # the first tile folded onto the second's columns in each thread
+                m = tl.max(tl.reshape(tl.where(mask, tl.abs(a), 0.0), (BLOCK // BLOCK2, BLOCK2)),
+                           axis=0)
+                amax = tl.max(tl.maximum(m, tl.where(mask2, tl.abs(a2), 0.0)), axis=0)
+            else:
+                amax = tl.maximum(amax, tl.max(tl.where(mask2, tl.abs(a2), 0.0), axis=0))
     else:
         # The running maximum in x's dtype: the activation is already rounded to it (the
         # conversion is exact and folds away), and the maximum of such values is exact in it
@@ -331,7 +354,7 @@ def _act_quant_row(
         for start in range(0, N, BLOCK):
             mask = in_range(start + cols, N, EVEN)
             a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE,
-                            STASH and STREAM).to(dt)
+                            STASH and STREAM, PAIRS).to(dt)
             # (Triton 3.6 computes a bf16 maximum in fp32: the cast back keeps the loop's type)
             amax_a = tl.maximum(amax_a, tl.where(mask, tl.abs(a), tl.zeros_like(a))).to(dt)
             if STASH:
@@ -366,7 +389,8 @@ def _act_quant_row(
                 a = tl.load(stash_row + start + cols, mask=mask, other=0.0,
                             eviction_policy="evict_last").to(tl.float32)
             else:
-                a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE)
+                a = _activation(x_row, u_row, start + cols, mask, sxn, sun, dt, ACT, NATIVE,
+                                PAIRS=PAIRS)
             q = e4m3_clamp(_quotient(a, scale, r_scale, ACT, NATIVE), NATIVE)
             tl.store(qa_row + start + cols, to_e4m3(q, qt, NATIVE), mask=mask)
         if STASH:
@@ -386,6 +410,7 @@ def _act_quant_kernel(
     ACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr, ONE_PASS: tl.constexpr,
     STASH: tl.constexpr, HAS_OTHER: tl.constexpr, OTHER_FIRST: tl.constexpr,
     EVEN: tl.constexpr, STREAM: tl.constexpr, NATIVE: tl.constexpr,
+    ONE_REDUCTION: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     """One program per row; with ``STASH`` a persistent grid instead, each program going
     through rows pid, pid + programs, ... with its own stash row (programs x N values, small
@@ -397,12 +422,12 @@ def _act_quant_kernel(
             _act_quant_row(
                 row, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_row, R2, N, P, sx0, sx1, sxn,
                 su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, BLOCK2, ONE_PASS, STASH,
-                HAS_OTHER, OTHER_FIRST, EVEN, STREAM, NATIVE)
+                HAS_OTHER, OTHER_FIRST, EVEN, STREAM, NATIVE, ONE_REDUCTION, PAIRS)
     else:
         _act_quant_row(
             pid, x_ptr, u_ptr, o_ptr, q_ptr, scale_ptr, stash_ptr, R2, N, P, sx0, sx1, sxn,
             su0, su1, sun, so0, so1, son, inv_max, ACT, BLOCK, BLOCK2, ONE_PASS, STASH,
-            HAS_OTHER, OTHER_FIRST, EVEN, STREAM, NATIVE)
+            HAS_OTHER, OTHER_FIRST, EVEN, STREAM, NATIVE, ONE_REDUCTION, PAIRS)
 
 
 @triton.jit
@@ -482,10 +507,20 @@ def _config(n: int, activation: str = "", other: bool = False) -> dict[str, int]
                 "num_warps": max(1, min(8, block // 256))}
     if activation.endswith(FAST) and not other and n <= _ONE_PASS_FAST_MAX:
         block, block2 = row_split(n, 16)
-        warps = triton.next_power_of_2(-(-n // (32 * _ONE_PASS_VALUES)))
+        warps = max(8, min(16, triton.next_power_of_2(-(-n // (32 * _ONE_PASS_VALUES)))))
         return {"BLOCK": block, "BLOCK2": block2, "ONE_PASS": True, "STASH": False,
-                "num_warps": max(8, min(16, warps))}
+                "num_warps": warps, "ONE_REDUCTION": _one_reduction(activation, block, block2,
+                                                                    warps)}
     return {"BLOCK": _CHUNK, "ONE_PASS": False, "STASH": True, "num_warps": 8}
+
+
+def _one_reduction(activation: str, block: int, block2: int, warps: int) -> bool:
+    """Whether a one-pass row's two tiles share one reduction (``ONE_REDUCTION``): where the
+    first tile's reshape onto the second's columns compiles to no data movement (SASS on the
+    CPU, ``benchmarks/probes/ptx_sm90.py``: 8192 + 4096 at 8 warps; elsewhere, e.g. at 16
+    warps, Triton moves the tile through shared memory) and where it does not cost registers
+    (SwiGLU's two inputs: 64 -> 69 registers a thread, a CTA fewer per SM)."""
+    return not activation.startswith("silu_mul") and block == 2 * block2 and warps == 8
 
 
 @functools.cache
@@ -558,6 +593,8 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
             EVEN=(n == cfg["BLOCK"] + block2 if cfg["ONE_PASS"] else n % cfg["BLOCK"] == 0)
             and p % cfg["BLOCK"] == 0,
             STREAM=bool(cfg.get("STREAM", up is not None)),
+            ONE_REDUCTION=block2 > 0 and bool(cfg.get("ONE_REDUCTION", False)),
+            PAIRS=min(cfg["BLOCK"], block2 or cfg["BLOCK"]) >= 64 * cfg["num_warps"],
             num_warps=cfg["num_warps"],
             # Contractions are written out (tl.fma) where torch's build has them; none else.
             enable_fp_fusion=False,

@@ -25,9 +25,11 @@ row-wide reduction, each program a tile of rows x ``BLOCK`` features.
 
 Numerics tier: exact for the exact activations (the unfused ops' order and roundings: the
 bias add rounded to x's dtype as torch's add, then as the row-wise kernel, then as
-``kopt::quant_fp8_group``); tolerance for the ``:fast`` ones. Under ``TRITON_INTERPRET=1``
-the activation's math functions differ from torch's CPU ones in the last bit (see
-:mod:`kopt.codegen.kernels.act_quant`): CPU tests compare with tolerance, GPU tests bitwise.
+``kopt::quant_fp8_group``); tolerance for the ``:fast`` ones, whose quotient by a group's
+scale is also the product with its reciprocal on the GPU (as the per-token kernel's). Under
+``TRITON_INTERPRET=1`` the activation's math functions differ from torch's CPU ones in the
+last bit (see :mod:`kopt.codegen.kernels.act_quant`): CPU tests compare with tolerance, GPU
+tests bitwise.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from kopt.codegen.kernels.act_quant import (
     check_args,
     check_other,
 )
-from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to
+from kopt.codegen.kernels.qk_norm_rope import native, on_device, round_to, widen
 from kopt.codegen.kernels.quant_fp8 import (
     E4M3,
     GROUP,
@@ -82,20 +84,26 @@ def act_quant_group_reference(x: torch.Tensor, up: torch.Tensor | None, activati
 
 @triton.jit
 def _group_act(x_ptr, u_ptr, b_ptr, r64, R2, N, acol, mask, sx0, sx1, sxn, su0, su1, sun,
-               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr):
-    """The (bias +) activation of a [rows, BLOCK] tile at activation columns ``acol``."""
+               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
+               PAIRS: tl.constexpr):
+    """The (bias +) activation of a [rows, BLOCK] tile at activation columns ``acol``.
+    ``PAIRS``: each thread holds an even number of the tile's values (bf16 widened and rounded
+    two at a time on the GPU)."""
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + ((r64 // R2) * sx0 + (r64 % R2) * sx1)[:, None] + acol[None, :] * sxn,
-                mask=mask, other=0.0).to(tl.float32)
+                mask=mask, other=0.0)
     if HAS_BIAS:
+        # (a bf16 sum rounded to bf16: ptxas makes it one packed add per two values)
         b = tl.load(b_ptr + acol, mask=acol < N, other=0.0).to(tl.float32)
-        x = round_to(x + b[None, :], dt, NATIVE)
+        x = round_to(x.to(tl.float32) + b[None, :], dt, NATIVE)
+    else:
+        x = widen(x, NATIVE and PAIRS)
     if ACT == 0 or ACT == 3:
         up = tl.load(u_ptr + ((r64 // R2) * su0 + (r64 % R2) * su1)[:, None]
                      + acol[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
     else:
         up = x
-    return tl.where(mask, act_values(x, up, dt, ACT, NATIVE), 0.0)
+    return tl.where(mask, act_values(x, up, dt, ACT, NATIVE, PAIRS), 0.0)
 
 
 @triton.jit
@@ -104,6 +112,7 @@ def _act_quant_group_kernel(
     sx0, sx1, sxn, su0, su1, sun, so0, so1, son,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OTHER: tl.constexpr,
     OTHER_FIRST: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr,
+    PAIRS: tl.constexpr = False,
 ):
     """Program (i, j): rows i ROWS .. (i + 1) ROWS, output columns j BLOCK .. (j + 1) BLOCK
     (BLOCK a multiple of 128: whole groups). Rows are ``[R1, R2]`` flattened, read through
@@ -132,14 +141,17 @@ def _act_quant_group_kernel(
                         + ocol[None, :] * son, mask=mask, other=0.0).to(tl.float32)
         else:
             a = _group_act(x_ptr, u_ptr, b_ptr, r64, R2, N, col - a_off, mask, sx0, sx1, sxn,
-                           su0, su1, sun, ACT, HAS_BIAS, NATIVE)
+                           su0, su1, sun, ACT, HAS_BIAS, NATIVE, PAIRS)
     else:
         a = _group_act(x_ptr, u_ptr, b_ptr, r64, R2, N, col, mask, sx0, sx1, sxn, su0, su1,
-                       sun, ACT, HAS_BIAS, NATIVE)
+                       sun, ACT, HAS_BIAS, NATIVE, PAIRS)
     a3 = tl.reshape(a, [ROWS, BLOCK // 128, 128])
     amax = tl.max(tl.abs(a3), axis=2)
     scale = fp8_scale(amax, NATIVE)
-    q = pw_div_by(a3, scale[:, :, None], pw_recip(scale)[:, :, None], NATIVE)
+    if ACT >= 3 and NATIVE:  # fast activations: the product with the reciprocal, as the
+        q = a3 * pw_recip(scale)[:, :, None]  # per-token kernel's _quotient (same tier)
+    else:
+        q = pw_div_by(a3, scale[:, :, None], pw_recip(scale)[:, :, None], NATIVE)
     q = e4m3_clamp(q, NATIVE)
     bits = tl.reshape(e4m3_bits(q, NATIVE), [ROWS, BLOCK])
     tl.store(q_ptr + r64[:, None] * W + col[None, :], bits, mask=mask)
@@ -206,7 +218,8 @@ def act_quant_group_triton(x: torch.Tensor, up: torch.Tensor | None, activation:
             x3.shape[1], n, p, *x3.stride(), *u3.stride(), *o3.stride(),
             ACT=ACT_CODES[activation], HAS_BIAS=bias is not None, HAS_OTHER=other is not None,
             OTHER_FIRST=other_first, ROWS=rows_per, BLOCK=block,
-            NATIVE=native(_act_quant_group_kernel, x), num_warps=warps,
+            NATIVE=native(_act_quant_group_kernel, x), PAIRS=rows_per * block >= 64 * warps,
+            num_warps=warps,
             # Contractions are written out (tl.fma) where torch's build has them; none else.
             enable_fp_fusion=False,
         )

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kopt.codegen.kernels.qk_norm_rope import widen
 from kopt.codegen.kernels.quant_fp8 import (
     E4M3,
     E4M3_MAX,
@@ -222,22 +223,23 @@ def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
 @triton.jit
 def _quant_nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, rows, cols, stride_x, ROWS: tl.constexpr,
                         BLOCK: tl.constexpr, BLOCK2: tl.constexpr, EVEN: tl.constexpr,
-                        CUDA: tl.constexpr):
+                        CUDA: tl.constexpr, PAIRS: tl.constexpr = False):
     """A row is one BLOCK-wide tile, or two: BLOCK, then BLOCK2 > 0 more (``row_split``).
-    ``EVEN``: the programs' rows and the tiles' columns are all in range (no masks)."""
+    ``EVEN``: the programs' rows and the tiles' columns are all in range (no masks). ``PAIRS``:
+    every thread holds an even number of a tile's values (bf16 widened two at a time)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.load(g_ptr)
     col = tl.arange(0, BLOCK)
     rmask = in_range(row, rows, EVEN)
     mask = rmask[:, None] & in_range(col, cols, EVEN)[None, :]
-    v = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    v = widen(tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :], mask=mask,
+                      other=0.0), CUDA and PAIRS)
     nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS, BLOCK, 0, EVEN, CUDA)
     if BLOCK2 > 0:
         col2 = BLOCK + tl.arange(0, BLOCK2)
         mask2 = rmask[:, None] & in_range(col2, cols, EVEN)[None, :]
-        v2 = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col2[None, :], mask=mask2,
-                     other=0.0).to(tl.float32)
+        v2 = widen(tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col2[None, :],
+                           mask=mask2, other=0.0), CUDA and PAIRS)
         nvfp4_store(v2, row, rows, col2, cols, q_ptr, s_ptr, g, ROWS, BLOCK2, BLOCK, EVEN,
                     CUDA)
 
@@ -275,6 +277,7 @@ def quant_nvfp4_triton(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[
             ROWS=rows_per, BLOCK=block, BLOCK2=block2,
             EVEN=launch_rows == rows and even_tiles(rows, rows_per, k, block, block2),
             CUDA=mirror_cuda(_quant_nvfp4_kernel, x),
+            PAIRS=rows_per * min(block, block2 or block) >= 64 * warps,
             num_warps=warps, enable_fp_fusion=False,
         )
     return q, scales

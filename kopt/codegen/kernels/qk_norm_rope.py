@@ -136,6 +136,35 @@ def round_to(x, dt: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def widen(x, NATIVE: tl.constexpr):
+    """``x`` in fp32. On the GPU a bf16 pair is one 32-bit register, and each value's fp32 is
+    its bits moved to the top half: one shift or one and per value (Triton's conversion extracts
+    the high value first, two instructions)."""
+    if NATIVE and x.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, -65536;", "=r,=r,r", [x],
+            dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def round_pairs(x, dt: tl.constexpr, NATIVE: tl.constexpr, PAIRS: tl.constexpr):
+    """:func:`round_to`, with bf16 pairs on the GPU where each thread holds an even number of
+    ``x``'s values (``PAIRS``): one ``cvt.rn.bf16x2.f32`` per two values (Triton's cast
+    converts one at a time), then :func:`widen`'s shift and and. (Where ``x`` is a sum or
+    product of two bf16 values, ptxas makes ``round_to`` one packed bf16 instruction per two
+    values: better than this.)"""
+    if NATIVE and PAIRS and dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{\n\t.reg .b32 t;\n\tcvt.rn.bf16x2.f32 t, $3, $2;\n\tshl.b32 $0, t, 16;\n\t"
+            "and.b32 $1, t, -65536;\n\t}", "=r,=r,r,r", [x],
+            dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return round_to(x, dt, NATIVE)
+
+
+@triton.jit
 def _rsqrt(x, NATIVE: tl.constexpr):
     # libdevice's rsqrtf is what torch's CUDA rsqrt calls; NATIVE is False under the
     # interpreter, which has no libdevice.
