@@ -16,6 +16,8 @@ Shapes come from diffusers' transformer_qwenimage.py / transformer_flux2.py at 1
   QKV 6144 -> 18432, out-proj 6144 -> 6144 (gated residual), FF 6144 -> 2 x 18432 (SwiGLU, not
   fused here) -> 6144 (gated residual); single blocks on 4608 tokens: 6144 -> 3 x 6144 +
   2 x 18432 = 55296, out 24576 -> 6144 (gated residual); modulation 6144 -> 36864 / 18432.
+- W3 Qwen3-8B decode (``--only W3``): one token through the merged QKV 4096 -> 6144, o_proj,
+  merged gate/up 4096 -> 24576 and down 12288 -> 4096, no biases.
 
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays (``--no-graph``: plain
 launches) of one call per input set; input sets rotate (distinct random operands, like distinct
@@ -80,6 +82,13 @@ CASES = [
     Case(FX, "single out", 4608, 6144, 24576, False, "gate_residual"),
     Case(FX, "modulation double", 1, 36864, 6144, False, "none"),
     Case(FX, "modulation single", 1, 18432, 6144, False, "none"),
+]
+# W3 (Qwen3-8B) decode, one token: merged QKV, o_proj, merged gate/up, down (--only W3)
+DECODE = [
+    Case("W3", "decode QKV", 1, 6144, 4096, False, "none"),
+    Case("W3", "decode o_proj", 1, 4096, 4096, False, "none"),
+    Case("W3", "decode gate/up", 1, 24576, 4096, False, "none"),
+    Case("W3", "decode down", 1, 4096, 12288, False, "none"),
 ]
 
 
@@ -213,19 +222,28 @@ def bench_case(c: Case, args: argparse.Namespace, g: torch.Generator) -> dict:
 
 def sweep_configs(m: int) -> list:
     """Every FP8 tile config worth timing at M rows: the default lists of every bucket, each
-    also persistent, and deeper pipelines for the small tiles."""
+    also persistent, deeper pipelines for the small tiles, and split-K up to M = 1024."""
     from kopt.codegen.gemm import gemm_config
 
     base = {(64, 64, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4), (128, 64, 128, 8, 4, 4),
             (128, 128, 128, 8, 4, 8), (64, 256, 128, 8, 4, 4), (128, 256, 128, 8, 3, 8),
-            (64, 64, 128, 8, 6, 4), (128, 64, 128, 8, 6, 4), (64, 32, 128, 8, 6, 4)}
+            (64, 64, 128, 8, 6, 4), (128, 64, 128, 8, 6, 4), (64, 32, 128, 8, 6, 4),
+            (64, 64, 128, 8, 8, 4), (64, 32, 128, 8, 8, 4), (128, 32, 128, 8, 6, 4),
+            (128, 32, 128, 8, 8, 4), (128, 64, 128, 8, 8, 4), (128, 128, 128, 8, 5, 8)}
     if m > 1024:
         base = {(128, 256, 128, 8, 3, 8), (128, 256, 128, 8, 4, 8), (256, 128, 128, 8, 3, 8),
                 (256, 128, 128, 8, 4, 8), (128, 128, 128, 8, 4, 4), (128, 128, 128, 8, 5, 8),
                 (128, 256, 64, 8, 5, 8), (128, 128, 128, 8, 4, 8)}
     elif m <= 64:
         base |= {(64, bn, 128, 1, s, 4) for bn in (32, 64, 128) for s in (4, 6)}
-    return [gemm_config(*c, persistent=p) for c in sorted(base) for p in (False, True)]
+    split = []
+    if m <= 1024:  # split-K: more programs over the few row tiles of a skinny GEMM
+        split = [gemm_config(bm, bn, 128, 8, stages, warps, split_k=s)
+                 for bm, bn, stages, warps in ((64, 64, 6, 4), (64, 128, 4, 4), (128, 64, 4, 4),
+                                               (128, 128, 4, 8), (128, 256, 3, 8),
+                                               (64, 256, 4, 4))
+                 for s in (2, 3, 4, 6)]
+    return [gemm_config(*c, persistent=p) for c in sorted(base) for p in (False, True)] + split
 
 
 def sweep_case(c: Case, g: torch.Generator) -> dict:
@@ -303,7 +321,8 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the rows, tuned configs and versions as JSON")
-    p.add_argument("--only", choices=["W1", "W2"], help="one workload's shapes")
+    p.add_argument("--only", choices=["W1", "W2", "W3"],
+                   help="one workload's shapes (W3, the LLM's decode GEMVs, only so)")
     p.add_argument("--case", action="append", default=[],
                    help="substring of case names to run (repeatable)")
     p.add_argument("--no-graph", dest="graph", action="store_false",
@@ -317,7 +336,8 @@ def main() -> None:
                    help="time the plain FP8 GEMM at every candidate tile config instead "
                         "(no autotuning; the epilogue columns are skipped)")
     args = p.parse_args()
-    cases = [c for c in CASES if (not args.only or c.workload == args.only)
+    cases = [c for c in CASES + DECODE if (args.only or c.workload != "W3")
+             and (not args.only or c.workload == args.only)
              and (not args.case or any(s in c.name for s in args.case))]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []

@@ -49,7 +49,7 @@ import logging
 import textwrap
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -190,15 +190,39 @@ def _silu(x):
 
 
 @triton.jit
+def _split_k_sum(acc, ws_ptr, lock_ptr, tile, split, mask_m, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    # This split's fp32 partial (its rows in range: a GEMV's one row, not the tile's 64) goes
+    # to the tile's slot of the workspace (L2: .cg); the last of the tile's SPLIT_K programs to
+    # arrive (a counter per tile, released after a barrier so that every thread's store
+    # precedes it) adds all the partials in split order, so the sum does not depend on the
+    # order of arrival, and resets the counter for the next launch.
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    rows = mask_m[:, None]
+    slot = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+    tl.store(slot + split * (BLOCK_M * BLOCK_N) + offs, acc, mask=rows, cache_modifier=".cg")
+    tl.debug_barrier()
+    last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    total = acc
+    if last:
+        total = tl.load(slot + offs, mask=rows, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(slot + s * (BLOCK_M * BLOCK_N) + offs, mask=rows, other=0.0,
+                             cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr + tile, 0)
+    return total, last
+
+
+@triton.jit
 def gemm_kernel(
     a_ptr, b_ptr, a_desc, b_desc, out_ptr,
-    scale_a_ptr, scale_b_ptr, bias_ptr, gate_ptr, res_ptr,
+    scale_a_ptr, scale_b_ptr, bias_ptr, gate_ptr, res_ptr, ws_ptr, lock_ptr,
     #@EXTRA_PARAMS@
     M, N, K, M_BUCKET, NUM_PROGRAMS,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om,
     stride_sa, stride_sb, stride_gm, gate_group, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, PRECISE_ACC: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -214,7 +238,8 @@ def gemm_kernel(
                              flatten=True):
             #@TILE@
     else:
-        tile = tl.program_id(0)
+        # split-K: SPLIT_K consecutive programs share a tile, each a range of K
+        tile = tl.program_id(0) // SPLIT_K
         #@TILE@
 '''
 
@@ -231,10 +256,17 @@ _TILE = '''\
     off_n = pid_n * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_lo = 0
+    k_hi = k_tiles
+    if SPLIT_K > 1:
+        split = tl.program_id(0) % SPLIT_K
+        k_lo = split * tl.cdiv(k_tiles, SPLIT_K)
+        k_hi = tl.minimum(k_lo + tl.cdiv(k_tiles, SPLIT_K), k_tiles)
     if USE_TMA:
         # a_desc: [M, K] tiles [BLOCK_M, BLOCK_K]; b_desc: b.t() = [N, K] tiles [BLOCK_N, BLOCK_K]
         # (K-major, what fp8 wgmma reads); out-of-bounds boxes are zero-filled
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_lo, k_hi):
             a = a_desc.load([off_m, k * BLOCK_K])
             b = b_desc.load([off_n, k * BLOCK_K])
             if DOT_IN_FP32:  # the interpreter multiplies bf16 tiles as integers
@@ -251,9 +283,10 @@ _TILE = '''\
         offs_am = tl.where(offs_am < M, offs_am, 0).to(tl.int64)
         offs_bn = tl.where(offs_bn < N, offs_bn, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        first_k = k_lo * BLOCK_K + offs_k
+        a_ptrs = a_ptr + offs_am[:, None] * stride_am + first_k[None, :] * stride_ak
+        b_ptrs = b_ptr + first_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+        for k in range(k_lo, k_hi):
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -271,6 +304,12 @@ _TILE = '''\
     offs_n = off_n + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    if SPLIT_K > 1:
+        # only the tile's last split runs the epilogue: the others' loads and store are masked
+        acc, last = _split_k_sum(acc, ws_ptr, lock_ptr, tile, split, mask_m, BLOCK_M, BLOCK_N,
+                                 SPLIT_K)
+        mask_m = tl.where(last, mask_m, False)  # (``&`` gives integers in the interpreter)
+        mask_n = tl.where(last, mask_n, False)
     mask = mask_m[:, None] & mask_n[None, :]
     rows = offs_m.to(tl.int64)
     if HAS_SCALES:
@@ -382,13 +421,18 @@ def m_bucket(m: int) -> int:
 
 
 def gemm_config(bm: int, bn: int, bk: int, group: int = 8, stages: int = 3,
-                warps: int = 8, persistent: bool = False):  # noqa: ANN201
+                warps: int = 8, persistent: bool = False, split_k: int = 1):  # noqa: ANN201
     """One tile config (``triton.Config``) with the pre-hook that sizes the TMA boxes.
-    ``persistent``: one program per SM walks the output tiles (see the template)."""
+    ``persistent``: one program per SM walks the output tiles (see the template).
+    ``split_k``: that many programs per tile, each a range of K, the last to finish adding
+    the fp32 partials in a fixed order (one program per tile only)."""
     import triton
 
+    if split_k < 1 or (split_k > 1 and persistent):
+        raise ValueError(f"split_k={split_k} (persistent={persistent}): split-K takes one "
+                         "program per tile and split_k >= 1")
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
-                          "PERSISTENT": int(persistent)},
+                          "PERSISTENT": int(persistent), "SPLIT_K": split_k},
                          num_stages=stages, num_warps=warps, pre_hook=_set_block_shapes)
 
 
@@ -400,7 +444,8 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False) -
     64-row wgmma each, 128 fp32 accumulator registers per thread), 3-4 stages (48 KB a stage in
     fp8), one program per tile or persistent (one per SM; the next tile's loads overlap this
     one's epilogue). Small M (modulation GEMVs, decode): bandwidth-bound on b, so narrow N
-    tiles give more CTAs and deep pipelines keep loads in flight; 64 rows is wgmma's smallest M.
+    tiles give more CTAs and deep pipelines keep loads in flight; 64 rows is wgmma's smallest M;
+    split-K where fewer column tiles than the H200's 132 SMs run a long K.
     The lists keep what a sweep of 30 configs on the W1/W2 shapes found within a few percent of
     the best on each (``python -m benchmarks.kernels_gemm --sweep``, benchmarks/RESULTS.md,
     session 13). The interpreter gets one small tile, so awkward shapes exercise every mask
@@ -409,8 +454,12 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False) -
         return [gemm_config(16, 32, 32, 2, 1, 4)]
     bk = 128 if fp8 else 64
     if m <= 64:
+        # split-K where the column tiles leave SMs idle over a long K (an LLM's decode down
+        # projection, 1 x 4096 x 12288: 29.5 -> 23.3 us, 0.61 of cuBLAS's time; session 18)
+        split = [gemm_config(64, 128, bk, 8, 4, 4, split_k=s) for s in (3, 4)] \
+            if fp8 and -(-n // 128) < 132 and k >= 8192 else []
         return [gemm_config(64, 256, bk, 8, 4, 4), gemm_config(64, 128, bk, 1, 4, 4),
-                gemm_config(64, 128, bk, 1, 6, 4), gemm_config(64, 64, bk, 1, 6, 4)]
+                gemm_config(64, 128, bk, 1, 6, 4), gemm_config(64, 64, bk, 1, 6, 4), *split]
     if m <= 1024:
         return [gemm_config(64, 64, bk, 8, 4, 4), gemm_config(64, 128, bk, 8, 4, 4),
                 gemm_config(128, 64, bk, 8, 4, 4), gemm_config(128, 128, bk, 8, 4, 8),
@@ -469,7 +518,8 @@ def _config_from_params(c: Mapping[str, int]):  # noqa: ANN202
     """A stored config (integers validated against the template's allowlist) as this
     template's ``triton.Config``, pre-hook and all."""
     return gemm_config(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"],
-                       c["num_stages"], c["num_warps"], bool(c["PERSISTENT"]))
+                       c["num_stages"], c["num_warps"], bool(c["PERSISTENT"]),
+                       c.get("SPLIT_K", 1))
 
 
 def tuned_configs() -> list[dict]:
@@ -731,6 +781,26 @@ class _Launch:
     scalars: tuple[int, ...]  # m, n, k, M_BUCKET, programs, strides, gate rows: the kernel's
     flags: dict[str, Any]  # constexpr flags
     direct: _Direct | None = None  # set after the first tuned call (CUDA)
+    # the call is one cuBLAS computes too (torch._scaled_mm: plain or bias epilogue, bf16 out)
+    library_form: bool = False
+    library: bool = False  # cuBLAS measured faster than the tuned template: calls go there
+    # split-K: fp32 partials and tile counters the largest split config needs (0: none)
+    split_values: int = 0
+    split_tiles: int = 0
+    workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def workspace(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split-K partials and counters (zero between launches: the last split of a tile
+        resets its counter) of this launch key on the current stream: calls on one stream run
+        one after the other, so they may share them; another stream gets its own."""
+        stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" \
+            else 0
+        ws = self.workspaces.get(stream)
+        if ws is None:
+            ws = self.workspaces[stream] = (
+                torch.empty(self.split_values, dtype=torch.float32, device=device),
+                torch.zeros(self.split_tiles, dtype=torch.int32, device=device))
+        return ws
 
 
 @dataclass(frozen=True)
@@ -819,6 +889,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
                 _LAUNCHES.pop(next(iter(_LAUNCHES)), None)
             _LAUNCHES[key] = launch
     m, n = launch.m, launch.n
+    if launch.library:
+        return _library_call(a, b, scale_a, scale_b, bias, out_dtype, m, n)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -843,8 +915,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
         v = _operand_view(o.kind, t, n, o.name, op)
         extra_args += [v, v.stride(0) if v.numel() > 1 else 0,
                        m // v.shape[0] if o.kind == "group" else 1]
-    args = [a, b, a_desc, b_desc, out, sa, sb, bias if bias is not None else dummy, g, r,
-            *extra_args, *launch.scalars]
+    ws, lock = launch.workspace(a.device) if launch.split_tiles else (dummy, dummy)
+    args = [a, b, a_desc, b_desc, out, sa, sb, bias if bias is not None else dummy, g, r, ws,
+            lock, *extra_args, *launch.scalars]
     if direct is not None and a.device.index == torch.cuda.current_device():
         direct(args)  # entering torch.cuda.device costs microseconds: only where needed
         return out
@@ -856,9 +929,67 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
         compiled = launch.kernel[launch.grid](*args, **launch.flags)
         if key is not None and a.is_cuda and not torch.cuda.is_current_stream_capturing():
             launch.direct = _direct_launch(launch, compiled, args)
+            if launch.direct is not None and launch.library_form and LIBRARY_CHOICE:
+                launch.library = _library_faster(launch, args, lambda: _library_call(
+                    a, b, scale_a, scale_b, bias, out_dtype, m, n))
     if launch.tuning is not None:
         kb_tuning.record_winner(launch.tuning, launch.kernel)
     return out
+
+
+# Whether a launch key whose call cuBLAS also computes (see ``_library_form``) times the two
+# once and keeps the faster (the extern-kernel choice of Inductor's max-autotune): the
+# template loses to cuBLAS at a few shapes (W1's 128-row text QKV, 1.04-1.05x its time).
+LIBRARY_CHOICE = True
+
+
+def _library_form(p: _Problem, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
+                  bias: torch.Tensor | None, activation: str, out_dtype: torch.dtype,
+                  epilogue: GemmEpilogue | None) -> bool:
+    """Whether ``torch._scaled_mm`` computes this call: FP8 with rowwise or tensorwise scales,
+    no epilogue beyond a bias of the output dtype, bf16 out (its rowwise kernel's only one)."""
+    return (p.fp8 and activation == "none" and p.gate is None and p.residual is None
+            and not p.extra and (epilogue is None or not epilogue.lines)
+            and out_dtype == torch.bfloat16 and (bias is None or bias.dtype == out_dtype)
+            and p.n % 16 == 0
+            and ((scale_a.numel() == p.m and scale_b.numel() == p.n)
+                 or (scale_a.numel() == 1 and scale_b.numel() == 1)))
+
+
+def _library_call(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                  scale_b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                  m: int, n: int) -> torch.Tensor:
+    """The call as ``torch._scaled_mm`` (a call :func:`_library_form` accepts)."""
+    if scale_a.numel() == m and scale_b.numel() == n:
+        sa, sb = scale_a.reshape(m, 1), scale_b.reshape(1, n)
+    else:
+        sa, sb = scale_a.reshape(()), scale_b.reshape(())
+    return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+
+
+def _library_faster(launch: _Launch, args: list[Any], library: Callable[[], object]) -> bool:
+    """Whether cuBLAS runs this call faster than the template's tuned config, once per launch
+    key: ``do_bench`` medians, which clear the L2 cache before each call (a layer's weights
+    come from memory; a skinny GEMM's whole weight would stay in L2 between replays) and so
+    keep the GPU busy while the host launches (a launch's host time does not count); each
+    timed twice, alternately, and its faster median kept (the clock of a GPU at its power cap
+    moves between timings: whichever ran first looked slower in session 18's first try)."""
+    from triton.testing import do_bench
+
+    def timed(fn: Callable[[], object]) -> float:
+        return do_bench(fn, warmup=10, rep=20, return_mode="median")
+
+    try:
+        ours, lib = timed(lambda: launch.direct(args)), timed(library)
+        ours, lib = min(ours, timed(lambda: launch.direct(args))), min(lib, timed(library))
+    except Exception as e:  # noqa: BLE001 -- a timing that fails keeps the template
+        log.info("kopt's GEMM: cuBLAS not timed (%s: %s); the template stays", type(e).__name__,
+                 e)
+        return False
+    log.info("kopt's GEMM %s x %s: template %.1f us, cuBLAS's _scaled_mm %.1f us: %s",
+             launch.m, launch.n, 1e3 * ours, 1e3 * lib,
+             "_scaled_mm runs it" if lib < ours else "the template runs it")
+    return lib < ours
 
 
 def _direct_launch(launch: _Launch, compiled: Any, args: list[Any]) -> _Direct | None:
@@ -927,9 +1058,14 @@ def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
     kernel = _tuner(module, configs, tuning)
     programs = _programs(a.device)
 
+    def tiles(meta: Mapping[str, int]) -> int:
+        return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+
     def grid(meta: Mapping[str, int]) -> tuple[int]:
-        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
+        return (min(tiles(meta), programs) if meta["PERSISTENT"]
+                else tiles(meta) * meta["SPLIT_K"],)
+
+    split = [c.kwargs for c in configs if c.kwargs.get("SPLIT_K", 1) > 1]
 
     g, r = p.gate, p.residual
     sa_stride = scale_a.reshape(-1).stride(0) if scale_a is not None and scale_a.numel() > 1 \
@@ -946,7 +1082,12 @@ def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
         DOT_IN_FP32=not a.is_cuda and a.dtype == torch.bfloat16,
         HAS_SCALES=fp8, HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation],
         HAS_GATE=g is not None, HAS_RESIDUAL=r is not None)
-    return _Launch(m, n, use_tma, kernel, tuning, grid, scalars, flags)
+    return _Launch(m, n, use_tma, kernel, tuning, grid, scalars, flags,
+                   library_form=_library_form(p, scale_a, scale_b, bias, activation, out_dtype,
+                                              epilogue),
+                   split_values=max((tiles(c) * c["SPLIT_K"] * c["BLOCK_M"] * c["BLOCK_N"]
+                                     for c in split), default=0),
+                   split_tiles=max((tiles(c) for c in split), default=0))
 
 
 # --------------------------------------------------------------------------------------------

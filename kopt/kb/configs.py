@@ -42,6 +42,8 @@ class TemplateSchema:
 
 def _gemm_smem(element_bytes: int) -> Callable[[Mapping[str, int]], str | None]:
     def check(c: Mapping[str, int]) -> str | None:
+        if c["SPLIT_K"] > 1 and c["PERSISTENT"]:
+            return "split-K takes one program per tile (PERSISTENT must be 0)"
         need = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * element_bytes
         if need > SMEM_BYTES:
             return (f"{c['num_stages']} stages of {c['BLOCK_M']}x{c['BLOCK_K']} + "
@@ -55,11 +57,12 @@ _GEMM = {
     "BLOCK_M": _pow2(16, 256), "BLOCK_N": _pow2(16, 256), "BLOCK_K": _pow2(16, 256),
     "GROUP_M": frozenset(range(1, 33)), "num_warps": _pow2(1, 16),
     "num_stages": frozenset(range(1, 9)), "PERSISTENT": frozenset((0, 1)),
+    "SPLIT_K": frozenset(range(1, 17)),
 }
 
 TEMPLATES: dict[str, TemplateSchema] = {
-    "gemm_fp8": TemplateSchema(_GEMM, _gemm_smem(1), {"PERSISTENT": 0}),
-    "gemm_bf16": TemplateSchema(_GEMM, _gemm_smem(2), {"PERSISTENT": 0}),
+    "gemm_fp8": TemplateSchema(_GEMM, _gemm_smem(1), {"PERSISTENT": 0, "SPLIT_K": 1}),
+    "gemm_bf16": TemplateSchema(_GEMM, _gemm_smem(2), {"PERSISTENT": 0, "SPLIT_K": 1}),
     "rowwise": TemplateSchema({"ROWS": _pow2(1, 32), "num_warps": _pow2(1, 32)}),
 }
 

@@ -285,6 +285,82 @@ def test_persistent_programs_walk_every_tile(use_tma: bool) -> None:
     assert torch.equal(out, one_tile)  # the same tile arithmetic, only scheduled differently
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointer", "tma"])
+def test_split_k_adds_the_partials_once_per_tile_in_a_fixed_order(use_tma: bool,
+                                                                  split_k: int) -> None:
+    """K = 80 is three 32-wide K tiles: split 2 gives ranges of 2 and 1, split 4 one empty
+    range. Only each tile's last split runs the epilogue (every operand, a generated one
+    included); the counters are back at zero after the launch, so a second call (and a CUDA
+    graph's replay) finds them ready and gives the same bits."""
+    from kopt.codegen import gemm as g
+
+    m, n, k = 36, 48, 80
+    a, b, sa, sb = fp8_operands(m, n, k)
+    extra = epilogue_extra(m, n)
+    bias, gate, res, act = epilogue_operands(m, n, EPILOGUES["all"])
+    split = [gemm_config(16, 32, 32, 2, 1, 4, split_k=split_k)]
+    run = lambda: gemm(a, b, sa, sb, bias, gate, res, act, BF16, epilogue=EPILOGUE,  # noqa: E731
+                       extra=extra, use_tma=use_tma, configs=split)
+    out = run()
+    ref = gemm_reference(a, b, sa, sb, bias, gate, res, act, BF16, epilogue=EPILOGUE,
+                         extra=extra, epilogue_reference=epilogue_reference)
+    assert_matches(out, ref)
+    assert torch.equal(run(), out)
+    launch = g._plan_launch("kopt::fp8_gemm", a, b, sa, sb, bias, gate, res, act, BF16,
+                            EPILOGUE, extra, use_tma, True, split, None, True)
+    tiles = 3 * 2  # 36 rows in 16s (a partial tile), 48 columns in 32s
+    assert launch.grid(split[0].kwargs) == (tiles * split_k,)
+    assert (launch.split_tiles, launch.split_values) == (tiles, tiles * split_k * 16 * 32)
+    ws, lock = launch.workspace(a.device)
+    assert launch.workspace(a.device)[1] is lock and not lock.any()
+    # the tensors of the call above: every tile's counter reset by its last split
+    for planned in g._LAUNCHES.values():
+        for _, counters in planned.workspaces.values():
+            assert not counters.any()
+
+
+@pytest.mark.parametrize("epi", list(EPILOGUES))
+def test_calls_cublas_computes_are_recognised_and_routed_there_once_measured_faster(
+        epi: str) -> None:
+    """A call ``torch._scaled_mm`` computes too (rowwise scales, at most a bf16 bias, bf16
+    out) may run there once cuBLAS is measured faster for its launch key (CUDA only; set by
+    hand here): the call then returns _scaled_mm's bits."""
+    from kopt.codegen import gemm as g
+
+    m, n, k = 36, 48, 80
+    a, b, sa, sb = fp8_operands(m, n, k)
+    bias, gate, res, act = epilogue_operands(m, n, EPILOGUES[epi])
+    library = epi in ("plain", "bias")
+    launch = g._plan_launch("kopt::fp8_gemm", a, b, sa, sb, bias, gate, res, act, BF16, None,
+                            (), None, True, None, None, True)
+    assert launch.library_form == library
+    generated = g._plan_launch("kopt::fp8_gemm", a, b, sa, sb, bias, gate, res, act, BF16,
+                               EPILOGUE, epilogue_extra(m, n), None, True, None, None, True)
+    assert not generated.library_form
+    tensorwise = g._plan_launch("kopt::fp8_gemm", a, b, sa.amax().reshape(1),
+                                sb.amax().reshape(1), bias, gate, res, act, BF16, None, (), None,
+                                True, None, None, True)
+    assert tensorwise.library_form == library
+    if not library:
+        return
+    g._LAUNCHES.clear()
+    template = gemm(a, b, sa, sb, bias)
+    (planned,) = g._LAUNCHES.values()
+    planned.library = True
+    routed = gemm(a, b, sa, sb, bias)
+    assert torch.equal(routed, torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=BF16))
+    assert_matches(template, routed)
+    g._LAUNCHES.clear()
+
+
+def test_split_k_needs_one_program_per_tile() -> None:
+    with pytest.raises(ValueError, match="split-K takes one program per tile"):
+        gemm_config(64, 64, 128, 8, 4, 4, persistent=True, split_k=2)
+    with pytest.raises(ValueError, match="split_k >= 1"):
+        gemm_config(64, 64, 128, split_k=0)
+
+
 def test_define_gemm_op_for_a_generated_epilogue() -> None:
     op = define_gemm_op("kopt_test::gemm_scale_shift", EPILOGUE, epilogue_reference)
     assert define_gemm_op("kopt_test::gemm_scale_shift", EPILOGUE, epilogue_reference) is op
@@ -321,6 +397,10 @@ def test_m_bucket_and_configs() -> None:
             for c in configs:  # 128 bytes of K per tile row, or 64
                 assert c.kwargs["BLOCK_K"] * (1 if fp8 else 2) in (64, 128)
                 assert c.kwargs["PERSISTENT"] in (0, 1)
+    # split-K only where few column tiles run a long K (a decode down projection)
+    assert any(c.kwargs["SPLIT_K"] > 1 for c in gemm_configs(1, 4096, 12288, True))
+    for m, n, k in ((1, 18432, 3072), (1, 4096, 4096), (128, 4096, 12288)):
+        assert all(c.kwargs["SPLIT_K"] == 1 for c in gemm_configs(m, n, k, True))
 
 
 # --- bad inputs -----------------------------------------------------------------------------

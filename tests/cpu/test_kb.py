@@ -42,7 +42,7 @@ from tests.fixtures import QKV
 
 ROOT = Path(__file__).resolve().parents[2]
 GEMM_CFG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
-            "PERSISTENT": 0, "num_stages": 3}
+            "PERSISTENT": 0, "SPLIT_K": 1, "num_stages": 3}
 BUCKET = "m=4096 n=3072 k=3072 tma=1 precise=0 bias=none act=none gate=1 res=1"
 H200 = "NVIDIA H200"
 
@@ -272,6 +272,8 @@ def _tampered(marker: Path) -> dict[str, object]:
         "duplicate key": json.dumps(_config())[:-1] + ', "BLOCK_M": 64}',
         "missing key": json.dumps({k: v for k, v in GEMM_CFG.items() if k != "GROUP_M"}),
         "persistent is 0 or 1": json.dumps(_config(PERSISTENT=2)),
+        "split-K of a persistent launch": json.dumps(_config(PERSISTENT=1, SPLIT_K=2)),
+        "split-K of 17": json.dumps(_config(SPLIT_K=17)),
         "too much shared memory": json.dumps(_config(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256,
                                                      num_stages=8)),
     }
@@ -280,14 +282,15 @@ def _tampered(marker: Path) -> dict[str, object]:
 def test_a_gemm_config_stored_before_the_persistent_flag_reads_as_one_tile_per_program(
         kb: KnowledgeBase) -> None:
     kid = _record(kb, 0.3)
-    old = {k: v for k, v in GEMM_CFG.items() if k != "PERSISTENT"}
+    old = {k: v for k, v in GEMM_CFG.items() if k not in ("PERSISTENT", "SPLIT_K")}
     db = sqlite3.connect(kb.path)  # the row as an earlier kopt wrote it
     db.execute("UPDATE kernels SET config = ? WHERE id = ?", (json.dumps(old), kid))
     db.commit()
     db.close()
     best = kb.best_config("gemm_fp8", BUCKET, H200)
-    assert best is not None and best.config["PERSISTENT"] == 0
+    assert best is not None and best.config["PERSISTENT"] == 0 and best.config["SPLIT_K"] == 1
     assert G._config_from_params(best.config).kwargs["PERSISTENT"] == 0
+    assert G._config_from_params(best.config).kwargs["SPLIT_K"] == 1
 
 
 def test_tampered_config_rows_are_refused_and_nothing_runs(kb: KnowledgeBase,

@@ -49,7 +49,11 @@ def ids(case: tuple) -> str:
 
 
 @pytest.mark.parametrize("case", W1, ids=ids)
-def test_fp8_gemm_matches_scaled_mm_at_w1_shapes(case: tuple) -> None:
+def test_fp8_gemm_matches_scaled_mm_at_w1_shapes(case: tuple,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from kopt.codegen import gemm as g
+
+    monkeypatch.setattr(g, "LIBRARY_CHOICE", False)  # the template, not cuBLAS where faster
     m, n, k, has_bias = case
     a, b, sa, sb, bias = fp8_operands(m, n, k, has_bias)
     out = torch.ops.kopt.fp8_gemm(a, b, sa, sb, bias, None, None, "none", BF16)  # autotuned
@@ -88,6 +92,50 @@ def test_persistent_tiles_equal_one_program_per_tile(shape: tuple, tile: tuple) 
     one = gemm(a, b, sa, sb, bias, gate, res, configs=[gemm_config(*tile)])
     walked = gemm(a, b, sa, sb, bias, gate, res, configs=[gemm_config(*tile, persistent=True)])
     assert torch.equal(one, walked)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("tile", [(128, 64, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4)],
+                         ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("shape", [(128, 9216, 3072), (1, 18432, 3072), (1000, 1040, 1024)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_split_k_is_deterministic_and_within_the_bound(shape: tuple, tile: tuple,
+                                                       split_k: int) -> None:
+    """Split-K on the GPU: each tile's last split adds the partials in split order, so the
+    bits do not depend on which split finishes last (20 launches back to back, each tile's
+    counter reset by the one before); the gated residual epilogue runs once per tile; the
+    error against fp64 stays within the template's bound, like one program per tile."""
+    m, n, k = shape
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    gate = torch.randn(1, n, device="cuda", dtype=BF16)
+    res = torch.randn(m, n, device="cuda", dtype=BF16)
+    configs = [gemm_config(*tile, split_k=split_k)]
+    first = gemm(a, b, sa, sb, bias, gate, res, configs=configs)
+    outs = [gemm(a, b, sa, sb, bias, gate, res, configs=configs) for _ in range(20)]
+    assert all(torch.equal(o, first) for o in outs)
+    exact = gemm_reference(a, b, sa, sb, bias, gate, res, upcast=True)
+    one = gemm(a, b, sa, sb, bias, gate, res, configs=[gemm_config(*tile)])
+    err, err_one = relative_error(first, exact), relative_error(one, exact)
+    assert err <= FP8_GEMM_BOUND and err <= 1.5 * err_one + 1e-4, (err, err_one)
+
+
+def test_split_k_replays_in_a_cuda_graph() -> None:
+    """Captured, the split-K launch keeps its workspace and counters: replays on new data
+    give what an eager launch gives, bit for bit, replay after replay."""
+    m, n, k = 128, 9216, 3072
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    configs = [gemm_config(128, 64, 128, 8, 4, 4, split_k=4)]
+    f = lambda: gemm(a, b, sa, sb, bias, configs=configs)  # noqa: E731
+    f()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f()
+    for seed in (1, 2, 3):
+        a2, _, sa2, _, _ = fp8_operands(m, n, k, seed=seed)
+        a.copy_(a2)
+        sa.copy_(sa2)
+        graph.replay()
+        torch.testing.assert_close(out, f(), rtol=0, atol=0)
 
 
 # (bias, activation, gate: "batch" [B, 1, N] | "full" | None, residual)
@@ -206,3 +254,33 @@ def test_direct_launch_equals_the_autotuned_launch(use_tma: bool) -> None:
     torch.testing.assert_close(direct, tuned, rtol=0, atol=0)
     exact = gemm_reference(a2, b, sa2, sb, bias, gate, res, upcast=True)
     assert relative_error(direct, exact) <= FP8_GEMM_BOUND
+
+
+@pytest.mark.parametrize("shape", [(128, 9216, 3072), (4096, 9216, 3072)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_cublas_runs_a_launch_key_only_where_measured_faster(
+        shape: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    """A plain (+ bias) FP8 call's launch key times the tuned template against cuBLAS once;
+    later calls run the faster one: _scaled_mm's bits where it won, the template's where it
+    lost. A gated residual epilogue (no cuBLAS form) always runs the template."""
+    from kopt.codegen import gemm as g
+
+    caplog.set_level("INFO", logger="kopt")
+    m, n, k = shape
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    g._LAUNCHES.clear()
+    gemm(a, b, sa, sb, bias)
+    (launch,) = g._LAUNCHES.values()
+    assert launch.library_form and launch.direct is not None
+    a2, _, sa2, _, _ = fp8_operands(m, n, k, seed=1)
+    out = gemm(a2, b, sa2, sb, bias)
+    lib = torch._scaled_mm(a2, b, sa2, sb, bias=bias, out_dtype=BF16)
+    template = gemm(a2, b, sa2, sb, bias, configs=[launch.kernel.best_config])
+    print(f"\n{m}x{n}x{k}: {'cuBLAS' if launch.library else 'template'}; "
+          + "; ".join(r.getMessage() for r in caplog.records if "cuBLAS" in r.getMessage()))
+    assert torch.equal(out, lib if launch.library else template)
+    g._LAUNCHES.clear()
+    gate = torch.randn(1, n, device="cuda", dtype=BF16)
+    gemm(a, b, sa, sb, bias, gate, torch.randn(m, n, device="cuda", dtype=BF16))
+    (gated,) = g._LAUNCHES.values()
+    assert not gated.library_form and not gated.library

@@ -140,6 +140,18 @@ def test_nvfp4_producer_bitwise_on_cuda(shape: tuple, dtype: torch.dtype) -> Non
     assert torch.equal(q, qr) and _bitwise(s, sr)
 
 
+@pytest.mark.parametrize("offset", [8, 16, 1], ids=lambda o: f"col{o}")
+def test_nvfp4_producer_bitwise_on_strided_rows(offset: int) -> None:
+    """Rows of a wider tensor (stride 200: not 16-byte vectors as Triton sees it), starting
+    16-byte aligned or not: the half-group loads without the paired bf16 widening."""
+    wide = torch.randn(37, 200, device="cuda").to(BF)
+    x = wide[:, offset:offset + 176]
+    g = nvfp4_global_scale(x)
+    q, s = quant_nvfp4_triton(x, g)
+    qr, sr = quant_nvfp4_reference(x, g)
+    assert torch.equal(q, qr) and _bitwise(s, sr)
+
+
 def test_e2m1_code_compiled_is_the_thresholds() -> None:
     """The E2M1 coding by arithmetic, compiled (denormal products, max.f32 on NaN), against
     the reference's thresholds bit for bit."""

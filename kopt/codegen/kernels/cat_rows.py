@@ -32,11 +32,12 @@ import triton.language as tl
 
 from kopt.codegen.ops import define
 
-# Elements of one row a program copies at most, and of all its rows (H200, session 17: W1's
-# joint V 16.4 -> 14.8 us, 0.91 -> 1.02 of a same-size copy, with one launch for both inputs
-# against one row of 3072 as a masked 4096 per program and a launch per input).
-_BLOCK = 4096
-_TILE = 8192
+# A flat range of the output a program, at 8 bf16 (16 bytes) a thread: Inductor's form for the
+# same cat. H200, session 18 (benchmarks/results/2026-12-01-h200-s18): W1's joint V 14.7 us as
+# 2-D tiles of 8192 values at 8 warps (c1), 14.2 at the best of 75 2-D tilings, 14.1 flat
+# (c3); Inductor's kernel 14.0-14.1.
+_XBLOCK = 1024
+_WARPS = 4
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -91,64 +92,61 @@ def _reference(xs: list[torch.Tensor], dim: int,
 
 
 @triton.jit
-def _cat_rows_kernel(x_ptr, y_ptr, out_ptr, bx_ptr, by_ptr, total_rows, rows, inner,
-                     sx_outer, sx_row, sy_outer, sy_row, out_rows, row_offset,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     TWO: tl.constexpr):
-    """Program (p, c): chunk c of rows p * ROWS .. p * ROWS + ROWS - 1 (over outer x rows) of x
-    into the output's rows ``row_offset + r % rows`` of the same outer index. ``TWO``: the
-    rows are the output's (``out_rows`` a outer index), the first ``rows`` of each from x and
-    the others from y: both inputs in one launch. Without a bias the values move as integers;
-    with one (``HAS_BIAS``: x and out in their float dtype) ``x + b``, rounded once."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (r < total_rows)[:, None] & (col < inner)[None, :]
+def _cat_rows_kernel(x_ptr, y_ptr, out_ptr, bx_ptr, by_ptr, total, rows, out_rows, row_offset,
+                     sx_outer, sx_row, sy_outer, sy_row, INNER: tl.constexpr,
+                     XBLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, TWO: tl.constexpr,
+                     OUTER: tl.constexpr, WIDE: tl.constexpr):
+    """A flat range of XBLOCK elements a program, over the ``total`` elements of ``rows``
+    rows of ``INNER`` values per outer index, each row's values contiguous. ``TWO``: the range
+    is the output's, row ``j`` of an outer index from x (``j < rows``) or y (both inputs in
+    one launch); else x's, each row going to the output's row ``row_offset + i``. ``OUTER``:
+    more than one outer index (else no division by the rows). ``WIDE``: 64-bit offsets.
+    Without a bias the values move as integers; with one (``HAS_BIAS``: x and out in their
+    float dtype) ``x + b``, rounded once. The row length is a compile-time constant (a model's
+    hidden size: its division is a multiply), the row counts not (a new text length does not
+    recompile)."""
+    idx = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+    if WIDE:
+        idx = tl.program_id(0).to(tl.int64) * XBLOCK + tl.arange(0, XBLOCK)
+    mask = idx < total
+    r = idx // INNER
+    col = idx % INNER
     if TWO:
-        o = (r // out_rows).to(tl.int64)
-        j = (r % out_rows).to(tl.int64)
+        o = r // out_rows if OUTER else 0
+        j = r % out_rows if OUTER else r
         in_x = j < rows
-        base = tl.where(in_x, x_ptr + o * sx_outer + j * sx_row,
-                        y_ptr + o * sy_outer + (j - rows) * sy_row)
-        dst_row = o * out_rows + j
+        vx = tl.load(x_ptr + o * sx_outer + j * sx_row + col, mask=mask & in_x)
+        vy = tl.load(y_ptr + o * sy_outer + (j - rows) * sy_row + col, mask=mask & (j >= rows))
+        v = tl.where(in_x, vx, vy)
+        dst = idx
+        if HAS_BIAS:
+            b = tl.where(in_x, tl.load(bx_ptr + col, mask=mask & in_x),
+                         tl.load(by_ptr + col, mask=mask & (j >= rows)))
     else:
-        o = (r // rows).to(tl.int64)
-        i = (r % rows).to(tl.int64)
-        base = x_ptr + o * sx_outer + i * sx_row
-        dst_row = o * out_rows + row_offset + i
-    src = base[:, None] + col[None, :]
-    dst = out_ptr + (dst_row * inner)[:, None] + col[None, :]
+        o = r // rows if OUTER else 0
+        i = r % rows if OUTER else r
+        v = tl.load(x_ptr + o * sx_outer + i * sx_row + col, mask=mask)
+        dst = (o * out_rows + row_offset + i) * INNER + col
+        if HAS_BIAS:
+            b = tl.load(bx_ptr + col, mask=mask)
     if HAS_BIAS:
-        if TWO:
-            b = tl.load(tl.where(in_x, bx_ptr, by_ptr)[:, None] + col[None, :], mask=mask)
-        else:
-            b = tl.load(bx_ptr + col, mask=col < inner)[None, :]
-        v = tl.load(src, mask=mask).to(tl.float32) + b.to(tl.float32)
-        tl.store(dst, v.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-    else:
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
-
-
-def _tiling(inner: int, total_rows: int) -> tuple[int, int, int]:
-    """(rows per program, columns per program, warps): a chunk of a row is the largest power of
-    two up to _BLOCK dividing ``inner`` (no masked lanes: 3072 = 3 x 1024), or the whole row
-    rounded up when that is under 128; rows are stacked to _TILE values a program."""
-    block = min(_BLOCK, inner & -inner) if inner else 1
-    if block < 128:
-        block = min(_BLOCK, triton.next_power_of_2(inner))
-    rows = max(1, min(_TILE // block, triton.next_power_of_2(total_rows)))
-    return rows, block, max(1, min(8, rows * block // 1024))
+        v = (v.to(tl.float32) + b.to(tl.float32)).to(out_ptr.dtype.element_ty,
+                                                      fp_downcast_rounding="rtne")
+    tl.store(out_ptr + dst, v, mask=mask)
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor, flat: torch.Tensor, bx: torch.Tensor | None,
             by: torch.Tensor | None, total_rows: int, rows: int, out_rows: int, offset: int,
             two: bool) -> None:
-    inner = x.shape[2]
-    per, block, warps = _tiling(inner, total_rows)
-    grid = (triton.cdiv(total_rows, per), triton.cdiv(inner, block))
-    _cat_rows_kernel[grid](x, y, flat, bx if bx is not None else x, by if by is not None else x,
-                           total_rows, rows, inner, x.stride(0), x.stride(1), y.stride(0),
-                           y.stride(1), out_rows, offset, ROWS=per, BLOCK=block,
-                           HAS_BIAS=bx is not None, TWO=two, num_warps=warps)
+    inner, outer = x.shape[2], x.shape[0]
+    total = total_rows * inner
+    spans = [flat.numel()] + [(t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
+                              + inner for t in (x, y) if t.shape[1]]
+    _cat_rows_kernel[(triton.cdiv(total, _XBLOCK),)](
+        x, y, flat, bx if bx is not None else x, by if by is not None else x, total, rows,
+        out_rows, offset, x.stride(0), x.stride(1), y.stride(0), y.stride(1), INNER=inner,
+        XBLOCK=_XBLOCK, HAS_BIAS=bx is not None, TWO=two, OUTER=outer > 1,
+        WIDE=max(spans) >= 2**31 - _XBLOCK, num_warps=_WARPS)
 
 
 def cat_rows_triton(xs: list[torch.Tensor], dim: int,

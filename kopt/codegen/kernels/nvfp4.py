@@ -211,7 +211,14 @@ def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
     q_offs = r.to(tl.int64) * (cols // 2) + half[None, :]
     tl.store(q_ptr + q_offs, packed,
              mask=in_range(r, rows, EVEN) & in_range(half, cols // 2, EVEN)[None, :])
-    # swizzled scales: 128x4 tiles of 512 bytes, row-of-tiles major
+    nvfp4_store_scales(s_bits, r, rows, cols, s_ptr, BLOCK, C0, EVEN)
+
+
+@triton.jit
+def nvfp4_store_scales(s_bits, r, rows, cols, s_ptr, BLOCK: tl.constexpr, C0: tl.constexpr,
+                       EVEN: tl.constexpr):
+    """The [ROWS, BLOCK / 16] e4m3 scales of rows ``r`` ([ROWS, 1]) from column C0 on, into
+    the swizzled layout: 128x4 tiles of 512 bytes, row-of-tiles major."""
     b = C0 // 16 + tl.arange(0, BLOCK // 16)[None, :]
     col_tiles = (cols // 16 + 3) // 4
     tile = (r // 128).to(tl.int64) * col_tiles + b // 4
@@ -221,27 +228,59 @@ def nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS: tl.constexpr,
 
 
 @triton.jit
+def _e2m1_words(v, d, rd, CUDA: tl.constexpr):
+    """[ROWS, G, 8] fp32 values of half groups, their groups' decode scales ``d`` [ROWS, G]
+    and ``rd = RN(1 / d)``: each half group's 8 E2M1 codes as one int32, value i in bits
+    4i .. 4i + 3 (little-endian: the bytes of the packed pairs, in order)."""
+    q = pw_div_by(v, d[:, :, None], rd[:, :, None], CUDA)
+    codes = e2m1_code(tl.where(d[:, :, None] == 0.0, 0.0, q))
+    return tl.sum(codes << (4 * tl.arange(0, 8))[None, None, :], axis=2)
+
+
+@triton.jit
+def _nvfp4_groups(x_ptr, q_ptr, s_ptr, g, row, rows, cols, stride_x, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr, C0: tl.constexpr, EVEN: tl.constexpr,
+                  CUDA: tl.constexpr, PAIRS: tl.constexpr):
+    """Columns C0 .. C0 + BLOCK of rows ``row``, each group of 16 loaded as its two halves of
+    8: one thread holds both (8 contiguous bf16 a load), so a group's amax, scale, division
+    and packing stay in that thread. As a [ROWS, BLOCK] tile a group spans two threads, which
+    both computed its scale (two divisions) after a shuffle; this form divides once per group
+    and stores the codes as two words a group. ``q_ptr``: the codes as int32 words."""
+    G: tl.constexpr = BLOCK // 16
+    col = C0 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 8)[None, :]  # first halves
+    r3 = row[:, None, None]
+    mask = in_range(r3, rows, EVEN) & in_range(col, cols, EVEN)[None, :, :]
+    ptr = x_ptr + r3.to(tl.int64) * stride_x + col[None, :, :]
+    lo = widen(tl.load(ptr, mask=mask, other=0.0), CUDA and PAIRS)
+    hi = widen(tl.load(ptr + 8, mask=mask, other=0.0), CUDA and PAIRS)
+    amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+    s_bits = e4m3_bits(tl.minimum(pw_div(amax, g * 6.0), 448.0), CUDA)
+    d = e4m3_value(s_bits, CUDA) * g
+    rd = pw_recip(d)
+    words = tl.reshape(tl.join(_e2m1_words(lo, d, rd, CUDA), _e2m1_words(hi, d, rd, CUDA)),
+                       [ROWS, 2 * G])
+    w = C0 // 8 + tl.arange(0, 2 * G)
+    r = row[:, None]
+    tl.store(q_ptr + r.to(tl.int64) * (cols // 8) + w[None, :], words,
+             mask=in_range(r, rows, EVEN) & in_range(w, cols // 8, EVEN)[None, :])
+    nvfp4_store_scales(s_bits, r, rows, cols, s_ptr, BLOCK, C0, EVEN)
+
+
+@triton.jit
 def _quant_nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, rows, cols, stride_x, ROWS: tl.constexpr,
                         BLOCK: tl.constexpr, BLOCK2: tl.constexpr, EVEN: tl.constexpr,
                         CUDA: tl.constexpr, PAIRS: tl.constexpr = False):
-    """A row is one BLOCK-wide tile, or two: BLOCK, then BLOCK2 > 0 more (``row_split``).
-    ``EVEN``: the programs' rows and the tiles' columns are all in range (no masks). ``PAIRS``:
-    every thread holds an even number of a tile's values (bf16 widened two at a time)."""
+    """A row is one BLOCK-wide tile, or two: BLOCK, then BLOCK2 > 0 more (``row_split``), each
+    as half groups (:func:`_nvfp4_groups`; ``q_ptr`` the codes as int32 words). ``EVEN``: the
+    programs' rows and the tiles' columns are all in range (no masks). ``PAIRS``: the half
+    groups load as 16-byte vectors (rows 16-byte aligned), so bf16 widens two at a time."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.load(g_ptr)
-    col = tl.arange(0, BLOCK)
-    rmask = in_range(row, rows, EVEN)
-    mask = rmask[:, None] & in_range(col, cols, EVEN)[None, :]
-    v = widen(tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col[None, :], mask=mask,
-                      other=0.0), CUDA and PAIRS)
-    nvfp4_store(v, row, rows, col, cols, q_ptr, s_ptr, g, ROWS, BLOCK, 0, EVEN, CUDA)
+    _nvfp4_groups(x_ptr, q_ptr, s_ptr, g, row, rows, cols, stride_x, ROWS, BLOCK, 0, EVEN, CUDA,
+                  PAIRS)
     if BLOCK2 > 0:
-        col2 = BLOCK + tl.arange(0, BLOCK2)
-        mask2 = rmask[:, None] & in_range(col2, cols, EVEN)[None, :]
-        v2 = widen(tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + col2[None, :],
-                           mask=mask2, other=0.0), CUDA and PAIRS)
-        nvfp4_store(v2, row, rows, col2, cols, q_ptr, s_ptr, g, ROWS, BLOCK2, BLOCK, EVEN,
-                    CUDA)
+        _nvfp4_groups(x_ptr, q_ptr, s_ptr, g, row, rows, cols, stride_x, ROWS, BLOCK2, BLOCK,
+                      EVEN, CUDA, PAIRS)
 
 
 def nvfp4_launch_rows(rows: int) -> int:
@@ -271,13 +310,14 @@ def quant_nvfp4_triton(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[
     warps = max(1, warps // 2)
     block, block2 = row_split(k, 64)
     grid = (triton.cdiv(launch_rows, rows_per),)
+    # 16-byte half groups where Triton knows it (it specialises strides divisible by 16)
+    aligned = x2.stride(0) % 16 == 0 and x2.data_ptr() % 16 == 0
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quant_nvfp4_kernel[grid](
-            x2, q, scales.view(torch.uint8), global_scale, rows, k, x2.stride(0),
-            ROWS=rows_per, BLOCK=block, BLOCK2=block2,
+            x2, q.view(-1, k // 2).view(torch.int32), scales.view(torch.uint8), global_scale,
+            rows, k, x2.stride(0), ROWS=rows_per, BLOCK=block, BLOCK2=block2,
             EVEN=launch_rows == rows and even_tiles(rows, rows_per, k, block, block2),
-            CUDA=mirror_cuda(_quant_nvfp4_kernel, x),
-            PAIRS=rows_per * min(block, block2 or block) >= 64 * warps,
+            CUDA=mirror_cuda(_quant_nvfp4_kernel, x), PAIRS=aligned,
             num_warps=warps, enable_fp_fusion=False,
         )
     return q, scales
