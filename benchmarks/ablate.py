@@ -169,7 +169,7 @@ def replay(args: argparse.Namespace) -> None:
     if args.device_model == "fit":
         cal = Calibration.from_json(gzip.decompress((src / "calibration.json.gz").read_bytes())
                                     .decode())
-        device = cal.fit(H200 if cuda else None)
+        device = cal.fit(H200 if cuda else None, source=args.fit_source)
     elif args.device_model == "h200":
         device = H200
     else:
@@ -218,6 +218,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1, help="verification seeds (0: none)")
     p.add_argument("--device-model", default="fit", metavar="fit|h200|PATH")
     p.add_argument("--profile-iters", type=int, default=3)
+    p.add_argument("--fit-source", choices=("replay", "eager"), default="replay",
+                   help="fit the kernels' rates to their times replayed from a CUDA graph "
+                   "(default, where the calibration has them) or to the eager profile")
     p.add_argument("--profile-rows", type=int, default=0, metavar="N",
                    help="also profile every row over N calls: its kernel time by op, held "
                    "against the predicted per pass in ablation.md (where a miss comes from)")
@@ -270,7 +273,9 @@ def main() -> None:
         cal = measure([(cap.gm, cap.example_inputs), (full.gm, cap.example_inputs)],
                       iters=args.profile_iters)
         (out / "calibration.json.gz").write_bytes(gzip.compress(cal.to_json().encode()))
-        device = cal.fit(base)
+        for i, note in enumerate(cal.notes):
+            print(f"calibration graph {i + 1}: {note or 'eager profile only'}", flush=True)
+        device = cal.fit(base, source=args.fit_source)
         del full
         gc.collect()
         if cuda:

@@ -19,6 +19,8 @@ category's time is also set against its roofline at the device's measured ceilin
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import time
 from collections import defaultdict
@@ -374,3 +376,107 @@ def profile_graph(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 3,
     result.unattributed = dict(unattributed)
     result.category_ms = {cat: category_ms.get(cat, 0.0) for cat in CATEGORIES}
     return result
+
+
+REPLAY = "kopt::replay::"
+ORDER = "kopt::order"
+# Below this share of the eager kernel time matched to replayed kernels, a replay profile is
+# not used (the two calls launched different kernels: another library choice under capture).
+MIN_REPLAY_COVERAGE = 0.9
+
+Launch = tuple[str | None, str, float]  # (node, kernel name, ms) in launch order
+
+
+def align_replay(order: Sequence[Launch], replays: Sequence[Sequence[tuple[str, float]]]
+                 ) -> tuple[list[dict[str, float]], float]:
+    """Per replayed call, each node's kernel ms, by matching the replay's kernels (name, ms) in
+    execution order to an eager call's (node, name, ms) in launch order; and the least share
+    of the eager kernel time that found its kernel in a replay (1.0: every kernel matched).
+
+    A CUDA graph replay names no node: its kernels are the eager call's, in the same order (one
+    stream), less what ran outside the graph (input copies, a hoisted region's misses). The
+    sequences are matched by kernel name (longest common blocks); an eager kernel without a
+    match keeps its eager time, so a node's time is never dropped."""
+    names = [name for _, name, _ in order]
+    total = sum(ms for _, _, ms in order) or 1.0
+    per_call, coverage = [], 1.0
+    for replay in replays:
+        matcher = difflib.SequenceMatcher(None, names, [n for n, _ in replay], autojunk=False)
+        times = [ms for *_, ms in order]
+        matched = 0.0
+        for block in matcher.get_matching_blocks():
+            for k in range(block.size):
+                j = block.a + k
+                matched += order[j][2]
+                times[j] = replay[block.b + k][1]
+        nodes: dict[str, float] = defaultdict(float)
+        for (node, _, _), ms in zip(order, times, strict=True):
+            if node is not None:
+                nodes[node] += ms
+        per_call.append(dict(nodes))
+        coverage = min(coverage, matched / total)
+    return per_call, coverage
+
+
+def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
+                   iters: int = 3) -> tuple[Attribution | None, str]:
+    """``eager`` (:func:`profile_graph` of the same call) with each node's kernel time as
+    measured in CUDA graph replays of the graph (:class:`kopt.cudagraphs.CudaGraphRunner`, the
+    hoisted regions outside it), and a line saying what was matched. What a replay predicts
+    is the replayed kernels' time, which an eager profile can miss: on the H200, W2 FLUX.2's
+    unfused QK-norm + RoPE graph held 420.5 ms of profiled kernels per call against 380.4 ms
+    for its timed replay (RESULTS.md, session 7). ``(None, why)`` where the profiler saw no
+    replayed kernels or too few of them matched."""
+    from kopt.cudagraphs import CudaGraphRunner
+
+    order_run = _Annotated(gm)
+    runner = CudaGraphRunner(gm, warmup=0, clone_outputs=False)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function(ORDER):
+                order_run.run(*inputs)
+                torch.cuda.synchronize()
+            runner(*inputs)  # captured with the profiler on, so that its replays are traced
+            torch.cuda.synchronize()
+            for i in range(iters):
+                with record_function(f"{REPLAY}{i}"):
+                    runner(*inputs)
+                    torch.cuda.synchronize()
+    events = prof.events()
+    windows = {e.name: (e.time_range.start, e.time_range.end) for e in events
+               if e.name == ORDER or e.name.startswith(REPLAY)}
+    # the launching op of each kernel, as the profiler links them (frontend events only)
+    cpu = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+           and e.linked_correlation_id == 0}
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+
+    def within(name: str) -> list[Any]:
+        lo, hi = windows.get(name, (0.0, -1.0))
+        return [g for g in gpu if lo <= g.time_range.start <= hi]
+
+    order: list[Launch] = []
+    for g in within(ORDER):
+        launcher = cpu.get(g.linked_correlation_id)
+        node = _enclosing_node(launcher) if launcher is not None else None
+        order.append((node if node in eager.nodes else None, g.name,
+                      (g.time_range.end - g.time_range.start) / 1e3))
+    replays = [[(g.name, (g.time_range.end - g.time_range.start) / 1e3)
+                for g in within(f"{REPLAY}{i}")] for i in range(iters)]
+    if not order or not all(replays):
+        return None, "no replayed kernels in the profile"
+    per_call, coverage = align_replay(order, replays)
+    if coverage < MIN_REPLAY_COVERAGE:
+        return None, (f"{coverage:.0%} of the eager kernel time matched replayed kernels "
+                      f"(under {MIN_REPLAY_COVERAGE:.0%})")
+    nodes = {}
+    for name, c in eager.nodes.items():
+        calls = [p.get(name, 0.0) for p in per_call]
+        ms = sum(calls) / len(calls) if c.ms > 0 else 0.0
+        nodes[name] = dataclasses.replace(c, ms=ms, min_ms=min(calls) if c.ms > 0 else 0.0)
+    replayed = Attribution(eager.device, iters, nodes, dict(eager.unattributed),
+                           eager.total_ms, dict(eager.category_ms))
+    return replayed, (f"replayed kernels {replayed.attributed_ms:.4g} ms per call against "
+                      f"{eager.attributed_ms:.4g} eager, {coverage:.1%} of the eager kernel "
+                      f"time matched")

@@ -50,7 +50,7 @@ from torch import fx
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
 from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel
-from kopt.profile import Attribution, NodeCost, host_times, profile_graph
+from kopt.profile import Attribution, NodeCost, host_times, profile_graph, profile_replay
 
 # The time a profiler gives an op below this is mostly its own overhead: not a rate sample.
 MIN_RATE_SAMPLE_MS = 1e-3
@@ -437,42 +437,90 @@ def _fit_walls(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
 @dataclass(frozen=True)
 class Calibration:
     """What a fit is made of, per graph: its counts, its profiled times, its wall time per
-    call. Saved (:meth:`to_json`) beside a measurement, it lets the device model be fitted
-    again later, on any machine, without the graphs or the device."""
+    call; on CUDA also its kernels' times as replayed from a CUDA graph (``replay``, one per
+    graph, None where it could not be matched). Saved (:meth:`to_json`) beside a
+    measurement, it lets the device model be fitted again later, on any machine, without the
+    graphs or the device."""
 
     graphs: tuple[tuple[tuple[OpCount, ...], Attribution, float], ...]
+    replay: tuple[Attribution | None, ...] = ()
+    notes: tuple[str, ...] = ()  # per graph: what the replay profile matched, or why not
+
+    @property
+    def replayed(self) -> bool:
+        """Every graph has its replayed kernel times."""
+        return bool(self.replay) and all(a is not None for a in self.replay)
 
     def fit(self, base: DeviceModel | None = None, *, min_nodes: int = 3,
-            name: str | None = None) -> DeviceModel:
-        return fit_counted([(c, a) for c, a, _ in self.graphs], base,
-                           wall_ms=[w for *_, w in self.graphs], min_nodes=min_nodes, name=name)
+            name: str | None = None, source: str = "replay") -> DeviceModel:
+        """``source``: ``replay`` fits the kernels' rates to their times in CUDA graph
+        replays where every graph has them (what a replayed call costs, the mode a serving
+        engine runs), else to the eager profile; ``eager``: always the eager profile."""
+        if source not in ("replay", "eager"):
+            raise ValueError(f"source must be 'replay' or 'eager', not {source!r}")
+        use_replay = source == "replay" and self.replayed
+        pairs = [(c, r if use_replay else a) for (c, a, _), r in
+                 zip(self.graphs, self.replay or [None] * len(self.graphs), strict=True)]
+        model = fit_counted(pairs, base, wall_ms=[w for *_, w in self.graphs],
+                            min_nodes=min_nodes, name=name)
+        if use_replay:
+            model = model.with_(source=model.source + "; kernel times from CUDA graph replays")
+        return model
 
     def to_json(self) -> str:
+        replay = self.replay or (None,) * len(self.graphs)
+        notes = self.notes or ("",) * len(self.graphs)
         return json.dumps([{"counts": [dataclasses.asdict(c) for c in counts],
-                            "attribution": json.loads(a.to_json()), "wall_ms": wall}
-                           for counts, a, wall in self.graphs])
+                            "attribution": json.loads(a.to_json()), "wall_ms": wall,
+                            "replay": None if r is None else json.loads(r.to_json()),
+                            "replay_note": note}
+                           for (counts, a, wall), r, note in zip(self.graphs, replay, notes,
+                                                                 strict=True)])
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
+        data = json.loads(text)
         return cls(tuple((tuple(OpCount(**c) for c in g["counts"]),
                           Attribution.from_json(json.dumps(g["attribution"])), g["wall_ms"])
-                         for g in json.loads(text)))
+                         for g in data),
+                   tuple(None if g.get("replay") is None else
+                         Attribution.from_json(json.dumps(g["replay"])) for g in data),
+                   tuple(g.get("replay_note", "") for g in data))
 
 
 def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
-            iters: int = 5) -> Calibration:
+            iters: int = 5, replay: bool = True) -> Calibration:
     """Profile each (graph, inputs) and time it end to end (outside the profiler). On CUDA the
     nodes' host times come from a run without the profiler (:func:`kopt.profile.host_times`),
-    whose recording inflates them unevenly."""
-    out = []
+    whose recording inflates them unevenly; and with ``replay`` the kernels are profiled again
+    as replayed from a CUDA graph (:func:`kopt.profile.profile_replay`)."""
+    out, replays, notes = [], [], []
     for gm, inputs in graphs:
         attribution = profile_graph(gm, inputs, iters=iters)
+        replayed, note = None, ""
         if attribution.device == "cuda":
             host = host_times(gm, inputs, iters)
             attribution.nodes = {k: dataclasses.replace(v, host_ms=host.get(k, v.host_ms))
                                  for k, v in attribution.nodes.items()}
+            if replay:
+                replayed, note = _replay(gm, inputs, attribution, iters)
         out.append((tuple(count_graph(gm)), attribution, best_ms(gm, inputs, iters)))
-    return Calibration(tuple(out))
+        replays.append(replayed)
+        notes.append(note)
+    return Calibration(tuple(out), tuple(replays), tuple(notes))
+
+
+def _replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
+            iters: int) -> tuple[Attribution | None, str]:
+    """:func:`kopt.profile.profile_replay`, or None and why where the graph cannot be
+    captured (the eager profile is then what the fit uses)."""
+    try:
+        replayed, note = profile_replay(gm, inputs, eager, iters)
+    except (RuntimeError, torch.cuda.CudaError) as e:  # a graph that cannot be captured
+        replayed, note = None, f"not replayed: {type(e).__name__}: {str(e)[:200]}"
+    finally:
+        torch.cuda.empty_cache()
+    return replayed, note
 
 
 def calibrate(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]],

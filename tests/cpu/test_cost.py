@@ -532,7 +532,9 @@ def test_a_group_of_small_kernels_takes_the_base_rate_it_cannot_measure() -> Non
                        efficiency={"kopt::quant_fp8_rowwise": 0.05, "elementwise": 0.7})
     counts = [_count(f"q{i}", "kopt::quant_fp8_rowwise", 4.247e3 * (1 + i % 5),
                      category="quantization") for i in range(12)]  # ~1-5 ns of roofline
-    counts += [_count(f"m{i}", "aten::mul", 4.247e6 * (1 + i % 8)) for i in range(12)]
+    # the largest mul 10 us of roofline against a 2 us fixed cost: a rate sample (at 8 us it
+    # sat on the SPREAD boundary, where the fit's last bit decided)
+    counts += [_count(f"m{i}", "aten::mul", 4.247e6 * (1 + i % 10)) for i in range(12)]
     nodes = {c.node: NodeCost(c.node, c.op, ms=truth.kernel_ms(c), calls=1, host_ms=0.01,
                               min_ms=truth.kernel_ms(c)) for c in counts}
     got = fit_counted([(counts, Attribution("cuda", 1, nodes, {}, 1.0))], base=base)
@@ -674,3 +676,47 @@ def test_a_fit_says_when_a_profile_ran_slower_than_the_timed_calls() -> None:
     assert "graph 1 1.25x" in slow.source and "its rates are pessimistic" in slow.source
     fine = fit_counted([(counts, trace)], base=H200, wall_ms=[kernels * 1.1])
     assert "pessimistic" not in fine.source
+
+
+def test_replayed_kernels_are_matched_to_their_nodes_in_launch_order() -> None:
+    """A replay holds the eager call's kernels in the same order, plus copies that ran
+    outside the graph and less a kernel the capture skipped: each node gets its matched
+    kernels' replayed times, an unmatched kernel keeps its eager time, and the coverage is
+    the matched share of the eager kernel time."""
+    from kopt.profile import align_replay
+
+    order = [("mm", "gemm", 4.0), ("mm", "bias", 1.0), ("norm", "rms", 2.0),
+             ("act", "silu", 1.0), (None, "memset", 0.5), ("act", "mul", 1.5)]
+    replay = [("foreach_copy", 0.2), ("gemm", 3.0), ("bias", 0.5), ("rms", 1.0),
+              ("silu", 0.8), ("memset", 0.4), ("mul", 1.0)]
+    fewer = [r for r in replay if r[0] != "rms"]  # the norm's kernel not matched
+    (same, partial), coverage = align_replay(order, [replay, fewer])
+    assert same == {"mm": 3.5, "norm": 1.0, "act": 1.8}
+    assert partial == {"mm": 3.5, "norm": 2.0, "act": 1.8}  # the eager time kept
+    assert coverage == pytest.approx(8.0 / 10.0)
+    _, none = align_replay(order, [[("other", 1.0)]])
+    assert none == 0.0
+
+
+def test_a_calibration_fits_replayed_kernel_times_where_every_graph_has_them() -> None:
+    """The rates come from the CUDA graph replays where each graph was replayed (a kernel
+    1.25x faster replayed fits a 1.25x higher efficiency), from the eager profile with
+    ``source="eager"`` or where one graph has no replay; the replays survive JSON."""
+    counts = tuple(_count(f"m{i}", "aten::mul", 4.247e8 * (1 + i % 4)) for i in range(8))
+
+    def trace(scale: float) -> Attribution:
+        return Attribution("cuda", 1, {c.node: NodeCost(
+            c.node, c.op, ms=scale * H200.kernel_ms(c), calls=1, host_ms=0.01,
+            min_ms=scale * H200.kernel_ms(c)) for c in counts}, {}, 1.0)
+
+    cal = Calibration(((counts, trace(1.25), 10.0),), (trace(1.0),), ("matched",))
+    replayed, eager = cal.fit(H200), cal.fit(H200, source="eager")
+    ratio = replayed.efficiency_of(counts[0]) / eager.efficiency_of(counts[0])
+    assert ratio == pytest.approx(1.25, rel=0.02)
+    assert "CUDA graph replays" in replayed.source and "replays" not in eager.source
+    again = Calibration.from_json(cal.to_json())
+    assert again.replayed and again.notes == ("matched",) and again.fit(H200) == replayed
+    unreplayed = Calibration(((counts, trace(1.25), 10.0),), (None,), ("no kernels",))
+    assert unreplayed.fit(H200) == eager
+    with pytest.raises(ValueError, match="source"):
+        cal.fit(H200, source="graph")

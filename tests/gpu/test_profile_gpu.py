@@ -38,3 +38,25 @@ def test_calibration_on_cuda_takes_host_times_outside_the_profiler() -> None:
     assert model.asynchronous and model.launch_us > 0 and model.graph_launch_us == 1.0
     print(model.describe())
     assert Calibration.from_json(cal.to_json()).fit(H200) == model
+
+
+@pytest.mark.parametrize("name", ["llm-tiny", "qwen-image-tiny"])
+def test_replay_profile_times_every_node_of_the_replayed_graph(name: str) -> None:
+    from kopt.profile import profile_replay
+
+    w = build(name, device="cuda", dtype=torch.bfloat16)
+    cap = capture_module(w.model, w.args, w.kwargs)
+    full = optimize_captured(cap, PassConfig(), VerifyOptions(enabled=False), None, w.name, 0.0)
+    eager = profile_graph(full.gm, cap.example_inputs, iters=3)
+    replayed, note = profile_replay(full.gm, cap.example_inputs, eager, iters=3)
+    print(note)
+    assert replayed is not None, note
+    timed = {k for k, v in eager.nodes.items() if v.ms > 0}
+    assert timed == {k for k, v in replayed.nodes.items() if v.ms > 0}
+    assert all(0 < replayed.nodes[k].min_ms <= replayed.nodes[k].ms for k in timed)
+    # the same kernels: within a factor of two of their eager times in total
+    assert 0.5 < replayed.attributed_ms / eager.attributed_ms < 2.0
+    cal = measure([(full.gm, cap.example_inputs)], iters=3)
+    assert cal.replayed, cal.notes
+    assert "CUDA graph replays" in cal.fit(H200).source
+    assert "CUDA graph replays" not in cal.fit(H200, source="eager").source
