@@ -443,27 +443,26 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
                 with record_function(f"{REPLAY}{i}"):
                     runner(*inputs)
                     torch.cuda.synchronize()
-    events = prof.events()
-    windows = {e.name: (e.time_range.start, e.time_range.end) for e in events
-               if e.name == ORDER or e.name.startswith(REPLAY)}
-    # the launching op of each kernel, as the profiler links them (frontend events only)
-    cpu = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU
-           and e.linked_correlation_id == 0}
-    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
-
-    def within(name: str) -> list[Any]:
-        lo, hi = windows.get(name, (0.0, -1.0))
-        return [g for g in gpu if lo <= g.time_range.start <= hi]
-
+    # the eager call's kernels in launch order (one stream: the order they ran), each under
+    # the op that launched it; the replays' kernels from the raw trace, by start time
     order: list[Launch] = []
-    for g in within(ORDER):
-        launcher = cpu.get(g.linked_correlation_id)
-        node = _enclosing_node(launcher) if launcher is not None else None
-        order.append((node if node in eager.nodes else None, g.name,
-                      (g.time_range.end - g.time_range.start) / 1e3))
-    replays = [[(g.name, (g.time_range.end - g.time_range.start) / 1e3)
-                for g in within(f"{REPLAY}{i}")] for i in range(iters)]
+    launchers = sorted((e for e in prof.events() if e.kernels and _enclosing(e, ORDER)),
+                       key=lambda e: e.time_range.start)
+    for e in launchers:
+        node = _enclosing_node(e)
+        for k in e.kernels:
+            order.append((node if node in eager.nodes else None, k.name, k.duration / 1e3))
+    raw = prof.profiler.kineto_results.events()
+    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in raw
+               if e.name().startswith(REPLAY)}
+    gpu = sorted((e for e in raw if e.device_type() == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.start_ns())
+
+    def within(name: str) -> list[tuple[str, float]]:
+        lo, hi = windows.get(name, (0, -1))
+        return [(g.name(), g.duration_ns() / 1e6) for g in gpu if lo <= g.start_ns() <= hi]
+
+    replays = [within(f"{REPLAY}{i}") for i in range(iters)]
     if not order or not all(replays):
         return None, "no replayed kernels in the profile"
     per_call, coverage = align_replay(order, replays)
