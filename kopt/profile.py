@@ -19,6 +19,7 @@ category's time is also set against its roofline at the device's measured ceilin
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import difflib
 import json
@@ -27,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import fx
@@ -418,6 +419,50 @@ def align_replay(order: Sequence[Launch], replays: Sequence[Sequence[tuple[str, 
     return per_call, coverage
 
 
+class RawEvent(NamedTuple):
+    """One event of the profiler's raw trace: a CPU range (an op, a runtime call, a
+    ``record_function`` range) or a device kernel, with the correlation id that ties a kernel
+    to the runtime call that launched it (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch)."""
+
+    name: str
+    gpu: bool
+    start_ns: int
+    duration_ns: int
+    correlation: int
+
+
+def replay_launches(events: Sequence[RawEvent], iters: int
+                    ) -> tuple[list[Launch], list[list[tuple[str, float]]]]:
+    """From a trace of one annotated eager call (range :data:`ORDER`, a node range per node)
+    and ``iters`` replays (ranges :data:`REPLAY` + i): the eager call's kernels (node, name,
+    ms) and each replay's (name, ms), each in the order they ran. A kernel belongs to the
+    range in which the host call that launched it started (the kernel itself runs later)."""
+    cpu = [e for e in events if not e.gpu]
+    # runtime/driver calls only: ops' own correlation ids are another counter
+    launched_at = {e.correlation: e.start_ns for e in cpu if e.name.startswith("cu")}
+    windows = {e.name: (e.start_ns, e.start_ns + e.duration_ns) for e in cpu
+               if e.name == ORDER or e.name.startswith(REPLAY)}
+    nodes = sorted((e.start_ns, e.start_ns + e.duration_ns, e.name[len(PREFIX):])
+                   for e in cpu if e.name.startswith(PREFIX))
+    starts = [n[0] for n in nodes]
+
+    def node_at(t: int) -> str | None:
+        i = bisect.bisect_right(starts, t) - 1
+        return nodes[i][2] if i >= 0 and t <= nodes[i][1] else None
+
+    def kernels(window: str) -> list[tuple[int, RawEvent]]:
+        lo, hi = windows.get(window, (0, -1))
+        return sorted(((launched_at[e.correlation], e) for e in events
+                       if e.gpu and not e.name.startswith("kopt::")
+                       and lo <= launched_at.get(e.correlation, -1) <= hi),
+                      key=lambda te: te[1].start_ns)
+
+    order = [(node_at(t), e.name, e.duration_ns / 1e6) for t, e in kernels(ORDER)]
+    replays = [[(e.name, e.duration_ns / 1e6) for _, e in kernels(f"{REPLAY}{i}")]
+               for i in range(iters)]
+    return order, replays
+
+
 def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
                    iters: int = 3) -> tuple[Attribution | None, str]:
     """``eager`` (:func:`profile_graph` of the same call) with each node's kernel time as
@@ -443,26 +488,11 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
                 with record_function(f"{REPLAY}{i}"):
                     runner(*inputs)
                     torch.cuda.synchronize()
-    # the eager call's kernels in launch order (one stream: the order they ran), each under
-    # the op that launched it; the replays' kernels from the raw trace, by start time
-    order: list[Launch] = []
-    launchers = sorted((e for e in prof.events() if e.kernels and _enclosing(e, ORDER)),
-                       key=lambda e: e.time_range.start)
-    for e in launchers:
-        node = _enclosing_node(e)
-        for k in e.kernels:
-            order.append((node if node in eager.nodes else None, k.name, k.duration / 1e3))
-    raw = prof.profiler.kineto_results.events()
-    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in raw
-               if e.name().startswith(REPLAY)}
-    gpu = sorted((e for e in raw if e.device_type() == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.start_ns())
-
-    def within(name: str) -> list[tuple[str, float]]:
-        lo, hi = windows.get(name, (0, -1))
-        return [(g.name(), g.duration_ns() / 1e6) for g in gpu if lo <= g.start_ns() <= hi]
-
-    replays = [within(f"{REPLAY}{i}") for i in range(iters)]
+    order, replays = replay_launches(
+        [RawEvent(e.name(), e.device_type() == torch.autograd.DeviceType.CUDA, e.start_ns(),
+                  e.duration_ns(), e.correlation_id()) for e in
+         prof.profiler.kineto_results.events()], iters)
+    order = [(node if node in eager.nodes else None, name, ms) for node, name, ms in order]
     if not order or not all(replays):
         return None, "no replayed kernels in the profile"
     per_call, coverage = align_replay(order, replays)

@@ -720,3 +720,25 @@ def test_a_calibration_fits_replayed_kernel_times_where_every_graph_has_them() -
     assert unreplayed.fit(H200) == eager
     with pytest.raises(ValueError, match="source"):
         cal.fit(H200, source="graph")
+
+
+def test_replay_launches_reads_kernels_by_the_range_their_launch_started_in() -> None:
+    """A trace as the H200's profiler records it (benchmarks/probes/replay_trace.py): eager
+    kernels tied to cudaLaunchKernel / cuLaunchKernel calls inside node ranges, replayed
+    kernels all tied to one cudaGraphLaunch, the ranges' own device-side copies, and an op
+    whose correlation id collides with a launch's."""
+    from kopt.profile import ORDER, PREFIX, REPLAY, RawEvent, replay_launches
+
+    ev = [RawEvent(ORDER, False, 100, 100, 1), RawEvent(ORDER, True, 150, 300, 1),
+          RawEvent(PREFIX + "mm", False, 110, 20, 2), RawEvent("aten::mm", False, 111, 10, 3),
+          RawEvent("cudaLaunchKernel", False, 112, 2, 50),
+          RawEvent(PREFIX + "act", False, 140, 20, 4),
+          RawEvent("cuLaunchKernel", False, 141, 2, 51), RawEvent("aten::relu", False, 142, 5, 50),
+          RawEvent("gemm", True, 150, 40_000, 50), RawEvent("silu", True, 40_200, 3_000, 51),
+          RawEvent(REPLAY + "0", False, 500, 50, 5), RawEvent("cudaGraphLaunch", False, 510, 5, 60),
+          RawEvent(REPLAY + "0", True, 520, 30_000, 5),
+          RawEvent("silu", True, 30_600, 2_000, 60), RawEvent("gemm", True, 520, 30_000, 60)]
+    order, replays = replay_launches(ev, 1)
+    assert order == [("mm", "gemm", 0.04), ("act", "silu", 0.003)]
+    assert replays == [[("gemm", 0.03), ("silu", 0.002)]]
+    assert replay_launches(ev, 2)[1][1] == []  # no second replay range: nothing in it
