@@ -46,7 +46,7 @@ from kopt.cost import CostModel, OpCount, Ranking, count_graph
 from kopt.cudagraphs import CudaGraphRunner
 from kopt.models import Workload
 from kopt.passes import PassConfig
-from kopt.profile import profile_graph
+from kopt.profile import profile_graph, try_profile_replay
 from kopt.verify import VerifyOptions, relative_error
 
 log = logging.getLogger("kopt")
@@ -82,7 +82,8 @@ class Row:
     # the optimized graph's counts (what the predictions are made from; not in to_json)
     counts: tuple[OpCount, ...] | None = field(default=None, compare=False, repr=False)
     # measured kernel time (CUDA; op time on a CPU) per call by op, from a profile of the
-    # variant's eager call with the hoisted regions hit (``ablate(profile_rows=N)``)
+    # variant's call with the hoisted regions hit (``ablate(profile_rows=N)``): on CUDA its
+    # CUDA graph replays where they could be matched, else its eager call
     op_ms: dict[str, float] | None = field(default=None, compare=False, repr=False)
     # the all-passes row timed again right after this row (``ablate(paired=True)``): eager,
     # CUDA graph; a leave-one-out saving is then this row less its own re-timing
@@ -509,7 +510,13 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     if profile_rows > 0:
         op_ms = {}
         op_of = {c.node: c.op for c in counts}  # the counts' names (aten::mul)
-        for n in profile_graph(gm, cap.example_inputs, iters=profile_rows).nodes.values():
+        profiled = profile_graph(gm, cap.example_inputs, iters=profile_rows)
+        if device.type == "cuda":  # the kernels as a replayed call runs them, where it can
+            replayed, note = try_profile_replay(gm, cap.example_inputs, profiled,
+                                                profile_rows)
+            log.info("ablate %s: %s", v.name, note)
+            profiled = replayed or profiled
+        for n in profiled.nodes.values():
             if "/" not in n.name and n.ms > 0:  # top level: a hit region runs nothing
                 op = op_of.get(n.name, n.op)
                 op_ms[op] = op_ms.get(op, 0.0) + n.ms

@@ -509,3 +509,16 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
     return replayed, (f"replayed kernels {replayed.attributed_ms:.4g} ms per call against "
                       f"{eager.attributed_ms:.4g} eager, {coverage:.1%} of the eager kernel "
                       f"time matched")
+
+
+def try_profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
+                       iters: int = 3) -> tuple[Attribution | None, str]:
+    """:func:`profile_replay`, or None and why where it fails (a graph that cannot be
+    captured, a profiler that does not trace graph replays): a replay profile only refines
+    what the eager one already measures."""
+    try:
+        return profile_replay(gm, inputs, eager, iters)
+    except Exception as e:  # noqa: BLE001 -- the caller keeps the eager profile, and says why
+        return None, f"not replayed: {type(e).__name__}: {str(e)[:200]}"
+    finally:
+        torch.cuda.empty_cache()

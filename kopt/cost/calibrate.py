@@ -50,7 +50,7 @@ from torch import fx
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
 from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel
-from kopt.profile import Attribution, NodeCost, host_times, profile_graph, profile_replay
+from kopt.profile import Attribution, NodeCost, host_times, profile_graph, try_profile_replay
 
 # The time a profiler gives an op below this is mostly its own overhead: not a rate sample.
 MIN_RATE_SAMPLE_MS = 1e-3
@@ -503,25 +503,11 @@ def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
             attribution.nodes = {k: dataclasses.replace(v, host_ms=host.get(k, v.host_ms))
                                  for k, v in attribution.nodes.items()}
             if replay:
-                replayed, note = _replay(gm, inputs, attribution, iters)
+                replayed, note = try_profile_replay(gm, inputs, attribution, iters)
         out.append((tuple(count_graph(gm)), attribution, best_ms(gm, inputs, iters)))
         replays.append(replayed)
         notes.append(note)
     return Calibration(tuple(out), tuple(replays), tuple(notes))
-
-
-def _replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
-            iters: int) -> tuple[Attribution | None, str]:
-    """:func:`kopt.profile.profile_replay`, or None and why where it fails (the eager profile
-    is then what the fit uses, and the calibration's notes say why)."""
-    try:
-        replayed, note = profile_replay(gm, inputs, eager, iters)
-    except Exception as e:  # noqa: BLE001 -- a graph that cannot be captured, a profiler
-        # without graph tracing: the replay only refines a fit the eager profile already makes
-        replayed, note = None, f"not replayed: {type(e).__name__}: {str(e)[:200]}"
-    finally:
-        torch.cuda.empty_cache()
-    return replayed, note
 
 
 def calibrate(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]],
