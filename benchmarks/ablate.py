@@ -122,7 +122,7 @@ def format_op_deltas(result: Ablation, cost: CostModel, top: int = 6) -> str:
     for kind in ("leave-one-out", "alone"):
         for r in (r for r in result.rows if r.kind == kind):
             other = result.every_pass if kind == "leave-one-out" else result.baseline
-            if r.sites == other.sites:  # rewrote nothing here: the same graph
+            if r.same_graph(other):  # rewrote nothing here
                 continue
             try:
                 deltas = op_deltas(result, cost, r.subject, kind)

@@ -90,6 +90,19 @@ class Row:
     ref_ms: float | None = None
     ref_graph_ms: float | None = None
 
+    def same_graph(self, other: Row) -> bool:
+        """Whether the two rows ran the same graph: the same ops with the same work, by their
+        counts where both rows have them, else by the number of rewrites applied. Two passes
+        can apply as many rewrites to different effect (FLUX.2 without the act + quant fusion:
+        ``fuse_act`` takes its 1646 sites' count, not its kernels)."""
+        if self.counts is None or other.counts is None:
+            return self.sites == other.sites
+
+        def work(r: Row) -> list[tuple[str, float, float, bool]]:
+            return sorted((c.rate_key, c.flops, c.bytes, c.cached is None) for c in r.counts)
+
+        return self.sites == other.sites and work(self) == work(other)
+
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "counts"}
         d["passes"] = list(self.passes)
@@ -142,7 +155,7 @@ class Ablation:
             else:
                 a, b, prev = prev, r, r
             # a pass that rewrote nothing here leaves the same graph: its difference is noise
-            if ms(a) is None or ms(b) is None or a.sites == b.sites:
+            if ms(a) is None or ms(b) is None or a.same_graph(b):
                 continue
             p = None if pred(a) is None or pred(b) is None else pred(a) - pred(b)
             paired = r.ref_graph_ms if graphs else r.ref_ms

@@ -291,3 +291,27 @@ def test_rank_shapes_predicts_on_the_meta_device_and_the_ranking_moves_with_the_
     spec = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0)
     on_cpu = CostModel(H200, cuda_graphs=True, calls_per_step=w.calls_per_step).graph(spec.gm)
     assert got["decode"]["all_ms"]["graph"] == pytest.approx(on_cpu.total_ms, rel=1e-9)
+
+
+def test_a_pass_with_as_many_rewrites_but_another_graph_keeps_its_saving() -> None:
+    """Without FLUX.2's act + quant fusion, ``fuse_act`` rewrites the same number of sites
+    (1646 either way on the H200, session 19) into other kernels: the row differs from
+    ``all`` and its saving is listed; a row whose counts equal ``all``'s is not."""
+    from kopt.ablate import Ablation, Row
+    from kopt.cost import OpCount
+
+    def row(variant: str, subject: str | None, ms: float, ops: tuple[str, ...]) -> Row:
+        counts = tuple(OpCount(f"n{i}", op, "elementwise", "bfloat16", 0, 1e6, True, None)
+                       for i, op in enumerate(ops))
+        kind = "leave-one-out" if subject else "all"
+        return Row(variant, kind, subject, (), ms, None, None, None, 10, None, "", None, counts)
+
+    fused = ("kopt::act_quant_fp8_rowwise",)
+    result = Ablation("m", "cpu", "bfloat16", 1, 1, (), rows=[
+        row("baseline", None, 9.0, ("aten::silu", "aten::mul", "kopt::quant_fp8_rowwise")),
+        row("all", None, 5.0, fused),
+        row("all - fuse_act_quant", "fuse_act_quant", 6.0,
+            ("kopt::fused_act", "kopt::quant_fp8_rowwise")),
+        row("all - hoist", "hoist", 5.2, fused)])
+    result.rows[0] = dataclasses.replace(result.rows[0], kind="baseline", sites=0)
+    assert result.savings("leave-one-out") == {"fuse_act_quant": (None, pytest.approx(1.0))}
