@@ -41,6 +41,7 @@ against an earlier run's rows with ``--replay OLD --device-model NEW/device_mode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import gzip
 import json
@@ -55,6 +56,7 @@ from kopt.ablate import (
     Ablation,
     RowLog,
     ablate,
+    baseline_config,
     load_rows,
     op_deltas,
     repredict,
@@ -169,7 +171,10 @@ def replay(args: argparse.Namespace) -> None:
     if args.device_model == "fit":
         cal = Calibration.from_json(gzip.decompress((src / "calibration.json.gz").read_bytes())
                                     .decode())
-        device = cal.fit(H200 if cuda else None, source=args.fit_source)
+        if args.power:  # a calibration saved before it read the GPU's power
+            cal = dataclasses.replace(cal, power=args.power)
+        device = cal.fit(H200 if cuda else None, source=args.fit_source,
+                         power=not args.no_power)
     elif args.device_model == "h200":
         device = H200
     else:
@@ -197,6 +202,15 @@ def record(path: str, result: Ablation, workload: str, device: str) -> None:
     print(f"knowledge base {path}:\n" + "\n".join(f"  recorded: {x}" for x in lines))
 
 
+def _power(text: str) -> tuple[float, float, float]:
+    try:
+        cap, copy, mhz = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CAP_W,COPY_W,MAX_MHZ, "
+                                         "e.g. 700,469,1980") from None
+    return cap, copy, mhz
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen-image")
@@ -221,6 +235,11 @@ def main() -> None:
     p.add_argument("--fit-source", choices=("replay", "eager"), default="replay",
                    help="fit the kernels' rates to their times replayed from a CUDA graph "
                    "(default, where the calibration has them) or to the eager profile")
+    p.add_argument("--no-power", action="store_true", help="no power model: every kernel at "
+                   "its fitted rate whatever the clock its graph's mix leaves it")
+    p.add_argument("--power", type=_power, metavar="CAP_W,COPY_W,MAX_MHZ",
+                   help="with --replay: the GPU's power cap, a copy's power and its highest "
+                   "SM clock, for a calibration saved without them")
     p.add_argument("--profile-rows", type=int, default=0, metavar="N",
                    help="also profile every row over N calls: its kernel time by op, held "
                    "against the predicted per pass in ablation.md (where a miss comes from)")
@@ -269,14 +288,21 @@ def main() -> None:
     (out / "run.json").write_text(json.dumps(run, indent=1))  # for --replay (and --kb there)
     base = (known_device(name) or H200) if cuda else None  # the CPU: measured ceilings
     if args.device_model == "fit":
-        full = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0)
-        cal = measure([(cap.gm, cap.example_inputs), (full.gm, cap.example_inputs)],
+        # the two ends of the ablation: its baseline row's graph (the passes not ablated stay
+        # on: fold_constants there takes the host-to-device copies out of Qwen-Image's captured
+        # graph, which a CUDA graph cannot capture) and the all-passes graph
+        off = VerifyOptions(enabled=False)
+        base_cfg = baseline_config(config, args.passes or None)
+        first = (optimize_captured(cap, base_cfg, off, None, w.name, 0.0).gm
+                 if base_cfg.enabled() else cap.gm)
+        full = optimize_captured(cap, config, off, None, w.name, 0.0)
+        cal = measure([(first, cap.example_inputs), (full.gm, cap.example_inputs)],
                       iters=args.profile_iters)
         (out / "calibration.json.gz").write_bytes(gzip.compress(cal.to_json().encode()))
         for i, note in enumerate(cal.notes):
             print(f"calibration graph {i + 1}: {note or 'eager profile only'}", flush=True)
-        device = cal.fit(base, source=args.fit_source)
-        del full
+        device = cal.fit(base, source=args.fit_source, power=not args.no_power)
+        del full, first
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

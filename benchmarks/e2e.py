@@ -48,6 +48,7 @@ from kopt.bench import median_ms
 from kopt.codegen.rowwise import INTERMEDIATES
 from kopt.models import Workload, build, main_output
 from kopt.passes.config import ACTIVATION_MATHS, LAYOUTS
+from kopt.power import ClockSampler
 from kopt.verify import VerifyOptions, relative_error
 
 VARIANTS = ("eager-bf16", "inductor-bf16", "naive-fp8-inductor", "kopt-bf16", "kopt-fp8")
@@ -234,7 +235,11 @@ def measure(name: str, fn: Callable[..., object], w: Workload, uncond: dict,
             torch.cuda.synchronize()
             return row
         row["graph_rel_err_vs_eager"] = relative_error(g(**cond), ref)
-        row["graph_forward_ms"] = median_ms(lambda: g(**cond), iters, device="cuda")
+        with ClockSampler("cuda") as clocks:  # at the power cap the clock is the graph's
+            row["graph_forward_ms"] = median_ms(lambda: g(**cond), iters, device="cuda")
+        if clocks.result is not None:
+            row["graph_sm_mhz"] = clocks.result.sm_mhz
+            row["graph_power_w"] = clocks.result.power_w
 
         def graph_step() -> None:
             g(**cond)
@@ -244,7 +249,9 @@ def measure(name: str, fn: Callable[..., object], w: Workload, uncond: dict,
         row["graph_step_ms"] = median_ms(graph_step, iters, device="cuda")
         row["graph_breakdown"] = kernel_breakdown(lambda: g(**cond), row["graph_forward_ms"])
         print(f"{name} + CUDA graph: {row['graph_forward_ms']:.2f} ms/forward, "
-              f"{row['graph_step_ms']:.2f} ms/step", flush=True)
+              f"{row['graph_step_ms']:.2f} ms/step"
+              + (f", SM {row['graph_sm_mhz']:.0f} MHz, {row['graph_power_w']:.0f} W"
+                 if "graph_sm_mhz" in row else ""), flush=True)
         del g
     return row
 
@@ -352,7 +359,9 @@ def write_outputs(rows: dict[str, dict], meta: dict, out_dir: Path) -> None:
     for name, r in rows.items():
         ratio = f"{best_forward_ms(r) / base:.3f}x" if base else "—"
         if "graph_forward_ms" in r:
-            graph = f"{r['graph_forward_ms']:.2f} | {r['graph_step_ms']:.2f}"
+            clock = (f" ({r['graph_sm_mhz']:.0f} MHz, {r['graph_power_w']:.0f} W)"
+                     if "graph_sm_mhz" in r else "")
+            graph = f"{r['graph_forward_ms']:.2f}{clock} | {r['graph_step_ms']:.2f}"
         elif "cuda_graph_error" in r:
             graph = f"capture fails: {r['cuda_graph_error']} | —"
         else:

@@ -46,6 +46,7 @@ from kopt.cost import CostModel, OpCount, Ranking, count_graph
 from kopt.cudagraphs import CudaGraphRunner
 from kopt.models import Workload
 from kopt.passes import PassConfig
+from kopt.power import ClockSampler
 from kopt.profile import profile_graph, try_profile_replay
 from kopt.verify import VerifyOptions, relative_error
 
@@ -89,6 +90,10 @@ class Row:
     # CUDA graph; a leave-one-out saving is then this row less its own re-timing
     ref_ms: float | None = None
     ref_graph_ms: float | None = None
+    # the GPU's median SM clock and mean power while the CUDA graph was timed (NVML; None
+    # without): a GPU at its power cap clocks a denser graph lower (kopt.power)
+    sm_mhz: float | None = None
+    power_w: float | None = None
 
     def same_graph(self, other: Row) -> bool:
         """Whether the two rows ran the same graph: the same ops with the same work, by their
@@ -354,6 +359,13 @@ def variants(config: PassConfig, order: Sequence[str], kinds: Sequence[str] = KI
     return out
 
 
+def baseline_config(config: PassConfig, passes: Sequence[str] | None = None) -> PassConfig:
+    """The baseline row's config when only ``passes`` of ``config`` are ablated: the others
+    stay on (:func:`variants`' ``context``); every pass off when ``passes`` is None."""
+    context = () if passes is None else tuple(p for p in config.enabled() if p not in passes)
+    return variants(config, (), (), context)[0].config
+
+
 def step_inputs(w: Workload, steps: int = STEPS) -> list[list[Any]]:
     """Flat inputs of ``steps`` consecutive steps: the workload's floating-point step inputs
     (timestep, guidance) scaled per step into new tensors, the rest as they are."""
@@ -457,6 +469,8 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
                     else "")
                  + (f" ({row.predicted_graph_ms:.4g} in a graph)"
                     if row.predicted_graph_ms is not None else "")
+                 + (f"; SM {row.sm_mhz:.0f} MHz, {row.power_w:.0f} W in the graph"
+                    if row.sm_mhz is not None else "")
                  + f"; {row.verdict}")
         gc.collect()  # the variant's packed weights and caches
         if cuda:
@@ -502,11 +516,13 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     with torch.no_grad():
         error = relative_error(_main(gm(*cap.example_inputs)), expected)
         ms = median_ms(lambda: step(gm), iters, warmup, device) / calls
-        graph_ms, graph_error, runner = None, None, None
+        graph_ms, graph_error, runner, clocks = None, None, None, None
         if device.type == "cuda":
             try:
                 runner = CudaGraphRunner(gm)
-                graph_ms = median_ms(lambda: step(runner), iters, warmup, device) / calls
+                with ClockSampler(device) as sampler:
+                    graph_ms = median_ms(lambda: step(runner), iters, warmup, device) / calls
+                clocks = sampler.result
             except Exception as exc:  # noqa: BLE001 -- the row says why it has no graph time
                 first = (str(exc).strip().splitlines() or [""])[0]
                 graph_error = f"no CUDA graph: {type(exc).__name__}: {first[:200]}"
@@ -522,7 +538,8 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
     op_ms = None
     if profile_rows > 0:
         op_ms = {}
-        op_of = {c.node: c.op for c in counts}  # the counts' names (aten::mul)
+        # the counts' rate keys (aten::mul[broadcast]): the ops as the device model prices them
+        op_of = {c.node: c.rate_key for c in counts}
         profiled = profile_graph(gm, cap.example_inputs, iters=profile_rows)
         if device.type == "cuda":  # the kernels as a replayed call runs them, where it can
             replayed, note = try_profile_replay(gm, cap.example_inputs, profiled,
@@ -534,7 +551,8 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
                 op = op_of.get(n.name, n.op)
                 op_ms[op] = op_ms.get(op, 0.0) + n.ms
     row = Row(v.name, v.kind, v.subject, v.passes, ms, graph_ms, predicted, predicted_graph,
-              spec.report.applied, verified, verdict, error, counts, op_ms, ref_ms, ref_graph_ms)
+              spec.report.applied, verified, verdict, error, counts, op_ms, ref_ms, ref_graph_ms,
+              clocks.sm_mhz if clocks else None, clocks.power_w if clocks else None)
     kept = _Reference(gm, runner if device.type == "cuda" else None, step, calls, iters, warmup,
                       device) if keep else None
     return row, kept
@@ -568,9 +586,11 @@ def op_deltas(result: Ablation, cost: CostModel, subject: str,
 
     def predicted(r: Row) -> dict[str, float]:
         out: dict[str, float] = {}
-        for c in r.counts or ():
+        counts = list(r.counts or ())
+        times = cost.device.kernel_times(counts, [cost.run_fraction(c) for c in counts])
+        for c, t in zip(counts, times, strict=True):
             if c.kernel and c.cached is None and "/" not in c.node:
-                out[c.op] = out.get(c.op, 0.0) + cost.device.kernel_ms(c)
+                out[c.rate_key] = out.get(c.rate_key, 0.0) + t
         return out
 
     pa, pb = predicted(without), predicted(with_)

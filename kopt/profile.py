@@ -463,8 +463,15 @@ def replay_launches(events: Sequence[RawEvent], iters: int
     return order, replays
 
 
+# Replays run before the profiled ones, for at least this long: a GPU at its power cap lowers
+# its clocks over the first ~second of sustained load, and the timed calls the profile
+# predicts run at the clocks that follow (H200, session 20: W1's calibration replays sampled
+# at 1980 MHz while its ablation rows, timed longer, ran at 1740-1930).
+STEADY_S = 1.0
+
+
 def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
-                   iters: int = 3) -> tuple[Attribution | None, str]:
+                   iters: int = 3, steady_s: float = STEADY_S) -> tuple[Attribution | None, str]:
     """``eager`` (:func:`profile_graph` of the same call) with each node's kernel time as
     measured in CUDA graph replays of the graph (:class:`kopt.cudagraphs.CudaGraphRunner`, the
     hoisted regions outside it), and a line saying what was matched. What a replay predicts
@@ -486,6 +493,10 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
             for _ in range(runner.warmup + 1):  # captured with the profiler on, so that its
                 runner(*inputs)  # replays are traced
             torch.cuda.synchronize()
+            start = time.perf_counter()
+            while time.perf_counter() - start < steady_s:  # to the clocks of sustained load
+                runner(*inputs)
+                torch.cuda.synchronize()
             for i in range(iters):
                 with record_function(f"{REPLAY}{i}"):
                     runner(*inputs)

@@ -50,6 +50,7 @@ from torch import fx
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
 from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel
+from kopt.power import ClockSampler, read_power_limit
 from kopt.profile import Attribution, NodeCost, host_times, profile_graph, try_profile_replay
 
 # The time a profiler gives an op below this is mostly its own overhead: not a rate sample.
@@ -178,9 +179,11 @@ def fit(pairs: Sequence[tuple[fx.GraphModule, Attribution]], base: DeviceModel |
 
 def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
                 wall_ms: Sequence[float] | None = None, min_nodes: int = 3,
-                name: str | None = None) -> DeviceModel:
+                name: str | None = None, power: PowerLimit | None = None) -> DeviceModel:
     """:func:`fit` on graphs already counted (``(counts, attribution)``): what a
-    :class:`Calibration` saved on one machine holds, fitted again on another."""
+    :class:`Calibration` saved on one machine holds, fitted again on another. ``power``: the
+    device was measured at its power cap; the compute-bound kernels' rates are then fitted
+    at the reference clock (:mod:`kopt.cost.device`'s power model) and the model keeps it."""
     samples = _samples(pairs)
     if not samples:
         raise ValueError("no node of the trace has measured time")
@@ -190,6 +193,11 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
     else:
         peaks, bandwidth = measured_ceilings(samples)
     ceiling = DeviceModel(name or (base.name if base else "cpu"), peaks, bandwidth)
+    factors = [1.0] * len(pairs)
+    if power is not None and cuda:
+        ceiling = ceiling.with_(**power.fields())
+        pairs, factors = _at_reference_clock(ceiling, pairs)
+        samples = _samples(pairs)
     kernels_per_op = _kernels_per_op(samples) if cuda else dict(base.kernels_per_op if base
                                                                 else {})
     counted = ceiling.with_(kernels_per_op=kernels_per_op)
@@ -265,8 +273,55 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
         note += _slow_profiles(pairs, wall_ms)
     error = fit_error(model, pairs)
     where = ", ".join(sorted({a.device for _, a in pairs}))
+    if model.power_limited:
+        note += ("; compute-bound kernels at the power cap's clock x "
+                 + "/".join(f"{f:.3f}" for f in factors) + " in the traces")
     return model.with_(source=f"fitted to {len(samples)} nodes of {len(pairs)} {where} "
                               f"trace(s); median relative error per node {error:.0%}{note}")
+
+
+@dataclass(frozen=True)
+class PowerLimit:
+    """What :func:`measure` read of a GPU's power (NVML, :mod:`kopt.power`): its enforced
+    cap, the power a copy draws (memory-bound kernels), its highest SM clock, and the lowest
+    median SM clock of the calibration graphs' replays."""
+
+    cap_w: float
+    memory_w: float
+    max_mhz: float
+    min_mhz: float
+
+    @property
+    def throttled(self) -> bool:
+        """The calibration ran below the highest clock: the cap was reached."""
+        return self.min_mhz < THROTTLED * self.max_mhz
+
+    def fields(self) -> dict[str, float]:
+        return {"power_cap_w": self.cap_w, "memory_power_w": self.memory_w,
+                "max_boost": self.max_mhz / self.min_mhz}
+
+
+# A median SM clock under this fraction of the highest one: the GPU was held at its power cap.
+THROTTLED = 0.97
+
+
+def _at_reference_clock(model: DeviceModel, pairs: Sequence[Counted]
+                        ) -> tuple[list[Counted], list[float]]:
+    """``pairs`` with each compute-bound kernel's measured time divided by its graph's clock
+    factor (the graph's memory-bound share as measured): the rates they fit are the
+    reference clock's, which :meth:`DeviceModel.kernel_times` scales to any other graph."""
+    out, factors = [], []
+    for counts, attribution in pairs:
+        bound = {c.node: model.compute_bound(c) for c in counts if "/" not in c.node}
+        timed = {k: v for k, v in attribution.nodes.items() if k in bound and v.ms > 0}
+        memory = sum(v.ms for k, v in timed.items() if not bound[k])
+        total = sum(v.ms for v in timed.values())
+        f = model.clock_factor(memory / total if total > 0 else 0.0)
+        nodes = {k: (dataclasses.replace(v, ms=v.ms / f, min_ms=v.min_ms / f)
+                     if bound.get(k) else v) for k, v in attribution.nodes.items()}
+        out.append((counts, dataclasses.replace(attribution, nodes=nodes)))
+        factors.append(f)
+    return out, factors
 
 
 # A CUDA profile whose kernels add up to more than this multiple of the graph's timed call ran
@@ -350,15 +405,26 @@ def _op_efficiencies(model: DeviceModel, samples: Sequence[_Sample], roof: Seque
     totals decide its rate, one per operand layout (:func:`kopt.cost.counts.layout`: a
     broadcast or strided operand takes ATen's unvectorized kernel)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    dtypes: dict[str, set[str]] = defaultdict(set)
     for s, r in zip(samples, roof, strict=True):
         if s.count.kernel and s.ms > 0 and _rate_dominates(r, model.fixed_of(s.count)):
-            t = totals[s.count.rate_key]
-            t[0] += 1
-            t[1] += s.ms
-            t[2] += model.launches(s.count) * model.fixed_of(s.count) / 1e3
-            t[3] += r
+            keys = [s.count.rate_key]
+            if s.count.op.startswith("aten::") and s.count.category == "elementwise" \
+                    and s.count.dtype:
+                keys.append(s.count.dtype_key)
+                dtypes[s.count.rate_key].add(s.count.dtype)
+            for key in keys:
+                t = totals[key]
+                t[0] += 1
+                t[1] += s.ms
+                t[2] += model.launches(s.count) * model.fixed_of(s.count) / 1e3
+                t[3] += r
+    # a rate per element type only where the op ran in several (ATen's unvectorized
+    # kernels are bound by elements per second: W2's bf16 broadcast multiplies move 1.4 TB/s,
+    # its fp32 ones 2.2)
+    keep = {k for k in totals if "@" not in k or len(dtypes[k.split("@")[0]]) > 1}
     return {op: r / (m - f) for op, (n, m, f, r) in totals.items()
-            if n >= min_nodes and r > 0 and m > f}
+            if op in keep and n >= min_nodes and r > 0 and m > f}
 
 
 # An op gets its own host cost per launch when its median differs from the pooled one by more
@@ -445,6 +511,19 @@ class Calibration:
     graphs: tuple[tuple[tuple[OpCount, ...], Attribution, float], ...]
     replay: tuple[Attribution | None, ...] = ()
     notes: tuple[str, ...] = ()  # per graph: what the replay profile matched, or why not
+    # per graph: (median SM MHz, mean W) during its replay profile (kopt.power), or None
+    clocks: tuple[tuple[float, float] | None, ...] = ()
+    # the GPU's power cap, a copy's power and its highest clock (None: not read)
+    power: tuple[float, float, float] | None = None
+
+    @property
+    def power_limit(self) -> PowerLimit | None:
+        """The power model's parameters where the calibration ran at the power cap."""
+        clocks = [c[0] for c in self.clocks if c is not None]
+        if self.power is None or not clocks:
+            return None
+        limit = PowerLimit(*self.power, min(clocks))
+        return limit if limit.throttled else None
 
     @property
     def replayed(self) -> bool:
@@ -452,17 +531,21 @@ class Calibration:
         return bool(self.replay) and all(a is not None for a in self.replay)
 
     def fit(self, base: DeviceModel | None = None, *, min_nodes: int = 3,
-            name: str | None = None, source: str = "replay") -> DeviceModel:
+            name: str | None = None, source: str = "replay", power: bool = True
+            ) -> DeviceModel:
         """``source``: ``replay`` fits the kernels' rates to their times in CUDA graph
         replays where every graph has them (what a replayed call costs, the mode a serving
-        engine runs), else to the eager profile; ``eager``: always the eager profile."""
+        engine runs), else to the eager profile; ``eager``: always the eager profile.
+        ``power``: with replays measured at the GPU's power cap (:attr:`power_limit`), the
+        model's clock factor is fitted too (:mod:`kopt.cost.device`)."""
         if source not in ("replay", "eager"):
             raise ValueError(f"source must be 'replay' or 'eager', not {source!r}")
         use_replay = source == "replay" and self.replayed
         pairs = [(c, r if use_replay else a) for (c, a, _), r in
                  zip(self.graphs, self.replay or [None] * len(self.graphs), strict=True)]
         model = fit_counted(pairs, base, wall_ms=[w for *_, w in self.graphs],
-                            min_nodes=min_nodes, name=name)
+                            min_nodes=min_nodes, name=name,
+                            power=self.power_limit if use_replay and power else None)
         if use_replay:
             model = model.with_(source=model.source + "; kernel times from CUDA graph replays")
         return model
@@ -470,12 +553,13 @@ class Calibration:
     def to_json(self) -> str:
         replay = self.replay or (None,) * len(self.graphs)
         notes = self.notes or ("",) * len(self.graphs)
+        clocks = self.clocks or (None,) * len(self.graphs)
         return json.dumps([{"counts": [dataclasses.asdict(c) for c in counts],
                             "attribution": json.loads(a.to_json()), "wall_ms": wall,
                             "replay": None if r is None else json.loads(r.to_json()),
-                            "replay_note": note}
-                           for (counts, a, wall), r, note in zip(self.graphs, replay, notes,
-                                                                 strict=True)])
+                            "replay_note": note, "clocks": clock, "power": self.power}
+                           for (counts, a, wall), r, note, clock in
+                           zip(self.graphs, replay, notes, clocks, strict=True)])
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -485,7 +569,9 @@ class Calibration:
                          for g in data),
                    tuple(None if g.get("replay") is None else
                          Attribution.from_json(json.dumps(g["replay"])) for g in data),
-                   tuple(g.get("replay_note", "") for g in data))
+                   tuple(g.get("replay_note", "") for g in data),
+                   tuple(None if g.get("clocks") is None else tuple(g["clocks"]) for g in data),
+                   next((tuple(g["power"]) for g in data if g.get("power")), None))
 
 
 def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
@@ -494,20 +580,29 @@ def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
     nodes' host times come from a run without the profiler (:func:`kopt.profile.host_times`),
     whose recording inflates them unevenly; and with ``replay`` the kernels are profiled again
     as replayed from a CUDA graph (:func:`kopt.profile.profile_replay`)."""
-    out, replays, notes = [], [], []
+    out, replays, notes, clocks = [], [], [], []
     for gm, inputs in graphs:
         attribution = profile_graph(gm, inputs, iters=iters)
-        replayed, note = None, ""
+        replayed, note, clock = None, "", None
         if attribution.device == "cuda":
             host = host_times(gm, inputs, iters)
             attribution.nodes = {k: dataclasses.replace(v, host_ms=host.get(k, v.host_ms))
                                  for k, v in attribution.nodes.items()}
             if replay:
-                replayed, note = try_profile_replay(gm, inputs, attribution, iters)
+                with ClockSampler(attribution.device) as sampler:
+                    replayed, note = try_profile_replay(gm, inputs, attribution, iters)
+                if sampler.result is not None:
+                    clock = (sampler.result.sm_mhz, sampler.result.power_w)
+                    note = f"{note}; {sampler.result.format()}"
         out.append((tuple(count_graph(gm)), attribution, best_ms(gm, inputs, iters)))
         replays.append(replayed)
         notes.append(note)
-    return Calibration(tuple(out), tuple(replays), tuple(notes))
+        clocks.append(clock)
+    power = None
+    if replay and any(c is not None for c in clocks):
+        power = read_power_limit(next(t.device for _, inputs in graphs for t in inputs
+                                      if isinstance(t, torch.Tensor)))
+    return Calibration(tuple(out), tuple(replays), tuple(notes), tuple(clocks), power)
 
 
 def calibrate(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]],

@@ -91,6 +91,12 @@ class OpCount:
         ``aten::add[broadcast]``."""
         return f"{self.op}[{self.layout}]" if self.layout else self.op
 
+    @property
+    def dtype_key(self) -> str:
+        """The rate key with the element type (``aten::mul[broadcast]@bfloat16``): an ATen
+        element-wise kernel's rate per byte depends on it where it is bound by elements."""
+        return f"{self.rate_key}@{self.dtype}"
+
     def at(self, values: dict) -> OpCount:
         """This count with its symbols replaced by ``values`` (numbers)."""
         return OpCount(self.node, self.op, self.category, self.dtype, _number(self.flops, values),

@@ -19,6 +19,21 @@ in the first case, and a rewrite that adds a kernel to save bytes only in the se
 ``efficiency`` and ``fixed_us`` are keyed by op (``aten::_scaled_mm``, ``kopt::rowwise``) where
 a trace had enough of it, else by category (``gemm``, ``attention``, ``quantization``,
 ``elementwise``); ``kernel_us`` is the fixed cost of anything else.
+A GPU at its power cap clocks down, and how far depends on the graph's mix: memory-bound
+kernels draw less than the cap (a copy on the H200: about half of its 700 W), so a graph with
+more memory-bound time leaves more power to its compute-bound kernels, which then run at a
+higher clock. With the cap and the memory-bound power known (``power_cap_w``,
+``memory_power_w``), a compute-bound kernel's time is its rate's (fitted at the reference
+clock of a graph of compute-bound kernels only) times the graph's clock factor::
+
+    power left to compute   P_c(s) = (P_cap - s x P_mem) / (1 - s)     s: memory-bound share
+    clock factor            m(s)   = (P_c(s) / P_cap) ^ (-1 / clock_exponent)   (m(0) = 1)
+
+(dynamic power grows as the cube of the clock, the voltage rising with it), no lower than
+``1 / max_boost``. Measured on the H200 (RESULTS.md, session 20): FLUX.2's FP8 graph without
+the QK-norm + RoPE fusion adds 80 ms of memory-bound kernels per call, and its unchanged FP8
+GEMMs then run 4% faster, its attention 5%.
+
 The shipped :data:`H200` parameters are datasheet peaks, the measured copy bandwidth and launch
 costs, with efficiencies from the GEMM measurements in ARCHITECTURE.md; :func:`kopt.cost.fit`
 replaces the efficiencies and fixed costs by least squares on a profiler trace.
@@ -71,6 +86,50 @@ class DeviceModel:
     kernels_per_op: Mapping[str, float] = field(default_factory=dict)  # where not 1
     asynchronous: bool = True  # host launches overlap device work (CUDA)
     source: str = ""
+    # the power model (module docstring); off where either is None
+    power_cap_w: float | None = None
+    memory_power_w: float | None = None
+    clock_exponent: float = 3.0
+    max_boost: float = 1.0  # the highest clock over the reference clock
+
+    @property
+    def power_limited(self) -> bool:
+        return bool(self.power_cap_w and self.memory_power_w is not None)
+
+    def compute_bound(self, c: OpCount) -> bool:
+        """Whether the kernel's roofline time is its FLOPs' (what a lower clock slows)."""
+        return bool(c.kernel and c.flops and
+                    c.flops / (self.peak(c.dtype) * 1e9) > c.bytes / (self.bandwidth_gbs * 1e6))
+
+    def clock_factor(self, memory_share: float) -> float:
+        """Compute-bound kernel time in a graph whose kernel time is ``memory_share``
+        memory-bound, over its time at the reference clock (1 without the power model)."""
+        if not self.power_limited:
+            return 1.0
+        s = min(max(memory_share, 0.0), 0.99)
+        rho = self.memory_power_w / self.power_cap_w
+        m = ((1 - rho * s) / (1 - s)) ** (-1 / self.clock_exponent)
+        return max(m, 1 / self.max_boost)
+
+    def kernel_times(self, counts: Sequence[OpCount],
+                     weights: Sequence[float] | None = None) -> list[float]:
+        """Each node's kernel time (ms) in the graph of ``counts``, the compute-bound ones at
+        the clock the graph's mix leaves them (:meth:`clock_factor`)."""
+        base = [self.kernel_ms(c) for c in counts]
+        if not self.power_limited:
+            return base
+        w = weights if weights is not None else [1.0] * len(counts)
+        bound = [self.compute_bound(c) for c in counts]
+        compute = sum(f * t for t, b, f in zip(base, bound, w, strict=True) if b)
+        memory = sum(f * t for t, b, f in zip(base, bound, w, strict=True) if not b)
+        factor = 1.0
+        for _ in range(50):  # the share depends on the factor: its fixed point
+            total = factor * compute + memory
+            new = self.clock_factor(memory / total if total > 0 else 0.0)
+            if abs(new - factor) < 1e-12:
+                break
+            factor = new
+        return [t * factor if b else t for t, b in zip(base, bound, strict=True)]
 
     def peak(self, dtype: str) -> float:
         """TFLOP/s for GEMM operands of ``dtype``; the lowest known peak for others."""
@@ -81,10 +140,11 @@ class DeviceModel:
         return max(flops / (self.peak(dtype) * 1e9), nbytes / (self.bandwidth_gbs * 1e6))
 
     def efficiency_of(self, c: OpCount) -> float:
-        """By op and operand layout (``aten::add[broadcast]``), else op, else category, else
+        """By op, operand layout and element type (``aten::add[broadcast]@bfloat16``), else
+        op and layout (``aten::add[broadcast]``), else op, else category, else
         ``*`` (every other kernel), else 1. A GEMM with a bias epilogue (``[bias]``) without a
         rate of its own runs :data:`EPILOGUE_SLOWDOWN` slower than its op's rate."""
-        for key in (c.rate_key, c.op, c.category, "*"):
+        for key in (c.dtype_key, c.rate_key, c.op, c.category, "*"):
             if key in self.efficiency:
                 slowdown = EPILOGUE_SLOWDOWN.get(c.op, 1.0) if (
                     c.layout == "bias" and key != c.rate_key) else 1.0
@@ -129,10 +189,11 @@ class DeviceModel:
         parts = {"body": [0.0, 0.0, 0.0], "prelude": [0.0, 0.0, 0.0]}  # device, host, kernels
         flops = nbytes = 0.0
         by_category: dict[str, float] = {}
-        for c, f in zip(counts, w, strict=True):
+        times = self.kernel_times(counts, w)
+        for c, f, t in zip(counts, w, times, strict=True):
             if f == 0:
                 continue
-            k = f * self.kernel_ms(c)
+            k = f * t
             part = parts["prelude" if graphs and c.cached is not None else "body"]
             part[0] += k
             part[1] += f * self.host_ms(c)
@@ -177,10 +238,13 @@ class DeviceModel:
         fixed = "".join(f", {k} {v:.2f}" for k, v in sorted(self.fixed_us.items()))
         host = "".join(f", {k} {v:.0f}" for k, v in sorted(self.host_us.items()))
         graph = "-" if self.graph_launch_us is None else f"{self.graph_launch_us:.2f}"
+        power = (f"; power cap {self.power_cap_w:.0f} W, memory-bound kernels "
+                 f"{self.memory_power_w:.0f} W, clock up to {self.max_boost:.2f}x"
+                 if self.power_limited else "")
         return (f"{self.name}: peak TFLOP/s {peaks}; {self.bandwidth_gbs:g} GB/s; launch "
                 f"{self.launch_us:.2f} us (view {self.view_us:.2f}, node {self.node_us:.2f}, "
                 f"graph {graph}{host}); kernel fixed us {self.kernel_us:.2f}{fixed}; efficiency "
-                f"{eff or '1.0'}"
+                f"{eff or '1.0'}{power}"
                 + (f" [{self.source}]" if self.source else ""))
 
 

@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kopt.ablate import KINDS, RowLog, ablate, load_rows, repredict, spearman, step_inputs, variants
+from kopt.ablate import (
+    KINDS,
+    RowLog,
+    ablate,
+    baseline_config,
+    load_rows,
+    repredict,
+    spearman,
+    step_inputs,
+    variants,
+)
 from kopt.api import optimize_captured
 from kopt.capture import capture_module, flatten_inputs
 from kopt.cli import main
@@ -64,6 +74,20 @@ def test_context_passes_stay_on_in_every_row() -> None:
     for v in rows:
         assert set(context) <= set(v.config.enabled()) and v.config.fp8 == FP8Config()
     assert rows[0].config.gemm_epilogue is False and rows[1].config == config
+
+
+def test_the_baseline_config_keeps_exactly_the_passes_not_ablated() -> None:
+    """What the calibration profiles as the ablation's baseline: with fold_constants not
+    ablated it stays on (Qwen-Image's host-to-device copies folded, so the graph can be
+    captured); with every pass ablated nothing is on."""
+    config = PassConfig(fp8=FP8Config())
+    base = baseline_config(config, ["cse", "fp8"])
+    assert base.cse is False and base.fp8 is None
+    assert set(base.enabled()) == set(config.enabled()) - {"cse", "fp8"}
+    assert "fold_constants" in base.enabled()
+    assert not baseline_config(config).enabled()
+    assert baseline_config(config, ["cse"]) == variants(
+        config, (), ("leave-one-out",), tuple(p for p in config.enabled() if p != "cse"))[0].config
 
 
 def test_ablating_some_passes_measures_them_on_top_of_the_rest() -> None:

@@ -587,6 +587,31 @@ def test_operand_layout_is_counted_and_sets_its_own_rate() -> None:
     assert H200.with_(efficiency={"aten::mul": 0.7}).efficiency_of(mul) == 0.7
 
 
+def test_an_aten_elementwise_op_in_two_element_types_gets_a_rate_for_each() -> None:
+    """ATen's unvectorized kernels are bound by elements per second, so a bf16 broadcast
+    multiply moves fewer bytes per second than an fp32 one (W2 on the H200: 1.4 against 2.2
+    TB/s): with both in the trace each type keeps its own rate; an op seen in one type keeps
+    one rate, and a type the trace lacks takes the op's."""
+    truth = H200.with_(kernel_us=2.0, fixed_us={}, kernels_per_op={},
+                       efficiency={"aten::mul[broadcast]@bfloat16": 0.33,
+                                   "aten::mul[broadcast]@float32": 0.53, "aten::add": 0.9})
+
+    def mul(i: int, dtype: str) -> OpCount:
+        return OpCount(f"m{dtype}{i}", "aten::mul", "elementwise", dtype, 0,
+                       4.247e8 * (1 + i % 3), True, layout="broadcast")
+
+    counts = ([mul(i, "bfloat16") for i in range(6)] + [mul(i, "float32") for i in range(6)]
+              + [_count(f"a{i}", "aten::add", 4.247e8 * (1 + i % 3)) for i in range(6)])
+    nodes = {c.node: NodeCost(c.node, c.op, ms=truth.kernel_ms(c), calls=1, host_ms=0.01,
+                              min_ms=truth.kernel_ms(c)) for c in counts}
+    fitted = fit_counted([(counts, Attribution("cuda", 1, nodes, {}, 1.0))], base=truth)
+    assert fitted.efficiency_of(counts[0]) == pytest.approx(0.33, rel=1e-3)
+    assert fitted.efficiency_of(counts[6]) == pytest.approx(0.53, rel=1e-3)
+    assert not any("@" in k for k in fitted.efficiency if k.startswith("aten::add"))
+    half = dataclasses.replace(counts[0], dtype="float16")
+    assert fitted.efficiency_of(half) == fitted.efficiency["aten::mul[broadcast]"]
+
+
 def test_a_layout_the_trace_lacks_keeps_the_base_models_rate() -> None:
     """A trace of kopt's graph has no strided cat (cat_rows replaced it), only whole-tensor
     cats at a high rate: a strided cat elsewhere (the graph without cat_rows) is costed at the
@@ -716,6 +741,9 @@ def test_a_calibration_fits_replayed_kernel_times_where_every_graph_has_them() -
     assert "CUDA graph replays" in replayed.source and "replays" not in eager.source
     again = Calibration.from_json(cal.to_json())
     assert again.replayed and again.notes == ("matched",) and again.fit(H200) == replayed
+    clocked = dataclasses.replace(cal, clocks=((1500.0, 690.5),))
+    assert Calibration.from_json(clocked.to_json()).clocks == ((1500.0, 690.5),)
+    assert again.clocks == (None,)
     unreplayed = Calibration(((counts, trace(1.25), 10.0),), (None,), ("no kernels",))
     assert unreplayed.fit(H200) == eager
     with pytest.raises(ValueError, match="source"):
@@ -742,3 +770,82 @@ def test_replay_launches_reads_kernels_by_the_range_their_launch_started_in() ->
     assert order == [("mm", "gemm", 0.04), ("act", "silu", 0.003)]
     assert replays == [[("gemm", 0.03), ("silu", 0.002)]]
     assert replay_launches(ev, 2)[1][1] == []  # no second replay range: nothing in it
+
+
+# -- the power model ---------------------------------------------------------------------------
+POWERED = H200.with_(power_cap_w=700.0, memory_power_w=350.0, max_boost=1.3, fixed_us={},
+                     kernel_us=0.0, efficiency={"aten::_scaled_mm": 0.6, "aten::mul": 0.8})
+
+
+def _gemm(node: str, tflop: float) -> OpCount:
+    return OpCount(node, "aten::_scaled_mm", "gemm", "float8_e4m3fn", tflop * 1e12, 1e6, True)
+
+
+def test_the_clock_factor_rises_with_the_memory_bound_share_up_to_the_highest_clock() -> None:
+    """m(s) = ((1 - rho s) / (1 - s)) ** (-1/3): 1 at s = 0, falling as memory-bound time
+    leaves power to the compute-bound kernels, never under 1 / max_boost; 1 without a cap."""
+    assert POWERED.clock_factor(0.0) == 1.0
+    rho = 350.0 / 700.0
+    assert POWERED.clock_factor(0.3) == pytest.approx(((1 - rho * 0.3) / 0.7) ** (-1 / 3))
+    shares = [0.0, 0.1, 0.3, 0.5]
+    factors = [POWERED.clock_factor(s) for s in shares]
+    assert factors == sorted(factors, reverse=True) and factors[-1] < 0.9
+    assert POWERED.clock_factor(0.98) == pytest.approx(1 / 1.3)
+    assert H200.clock_factor(0.5) == 1.0 and not H200.power_limited
+
+
+def test_a_graph_with_more_memory_bound_time_runs_its_gemms_faster() -> None:
+    """The same GEMMs, alone and with memory-bound kernels beside them: only the GEMMs' time
+    changes, by the factor of the graph's memory-bound share (the fixed point of it)."""
+    gemms = [_gemm(f"g{i}", 1.0) for i in range(4)]
+    muls = [_count(f"m{i}", "aten::mul", 4.247e9) for i in range(4)]  # 1.25 ms each
+    assert all(POWERED.compute_bound(g) for g in gemms)
+    assert not any(POWERED.compute_bound(m) for m in muls)
+    alone = POWERED.kernel_times(gemms)
+    mixed = POWERED.kernel_times(gemms + muls)
+    assert mixed[4:] == [POWERED.kernel_ms(m) for m in muls]
+    ratio = mixed[0] / alone[0]
+    share = sum(mixed[4:]) / sum(mixed)
+    assert ratio == pytest.approx(POWERED.clock_factor(share), rel=1e-3)
+    assert ratio < 0.97
+    plain = H200.with_(efficiency=POWERED.efficiency, fixed_us={}, kernel_us=0.0)
+    assert plain.kernel_times(gemms + muls) == [plain.kernel_ms(c) for c in gemms + muls]
+    p = POWERED.predict(gemms + muls, cuda_graphs=True)
+    assert p.device_ms == pytest.approx(sum(mixed))
+
+
+def test_the_fit_takes_each_graphs_clock_out_of_its_gemm_rates() -> None:
+    """Two graphs whose GEMMs ran at the clocks their memory-bound shares left them: fitted
+    with the power limit, one GEMM rate explains both graphs; fitted without it the rate is
+    the two clocks' compromise and misses each graph's GEMM time."""
+    from kopt.cost.calibrate import Calibration, PowerLimit
+
+    def graph(tag: str, muls: int) -> tuple[tuple[OpCount, ...], Attribution]:
+        counts = tuple([_gemm(f"{tag}g{i}", 0.5 * (1 + i % 4)) for i in range(8)]
+                       + [_count(f"{tag}m{i}", "aten::mul", 4.247e9 * (1 + i % 4))
+                          for i in range(muls)])
+        times = POWERED.kernel_times(counts)
+        return counts, Attribution("cuda", 1, {c.node: NodeCost(
+            c.node, c.op, ms=t, calls=1, host_ms=0.01, min_ms=t)
+            for c, t in zip(counts, times, strict=True)}, {}, 1.0)
+
+    dense, mixed = graph("a", 1), graph("b", 16)
+    limit = PowerLimit(700.0, 350.0, 1980.0, 1980.0 / 1.3)
+    assert limit.throttled and not PowerLimit(700.0, 350.0, 1980.0, 1975.0).throttled
+    cal = Calibration(((*dense, 10.0), (*mixed, 10.0)), (dense[1], mixed[1]), ("", ""),
+                      ((1980.0 / 1.3, 690.0), (1700.0, 650.0)), (700.0, 350.0, 1980.0))
+    assert cal.power_limit == limit
+    again = Calibration.from_json(cal.to_json())
+    assert again.power == (700.0, 350.0, 1980.0) and again.power_limit == cal.power_limit
+    powered, plain = cal.fit(H200), cal.fit(H200, power=False)
+    assert powered.power_limited and not plain.power_limited
+    assert powered.efficiency_of(dense[0][0]) == pytest.approx(0.6, rel=1e-3)
+    for counts, attribution in (dense, mixed):
+        gemm_ms = sum(attribution.nodes[c.node].ms for c in counts if c.category == "gemm")
+
+        def modelled(model: DeviceModel, counts: tuple[OpCount, ...] = counts) -> float:
+            return sum(t for c, t in zip(counts, model.kernel_times(counts), strict=True)
+                       if c.category == "gemm")
+
+        assert modelled(powered) == pytest.approx(gemm_ms, rel=2e-3)
+        assert abs(modelled(plain) / gemm_ms - 1) > 0.01

@@ -116,3 +116,6 @@ def test_table_ratio_is_best_against_the_baselines_best(tmp_path) -> None:  # no
     table = (tmp_path / "e2e.md").read_text()
     assert "| kopt-fp8 | 142.12 |" in table and "| 0.928x |" in table
     assert "| naive-fp8-inductor | 110.12 |" in table and "| 1.000x |" in table
+    rows["kopt-fp8"] |= {"graph_sm_mhz": 1440.0, "graph_power_w": 645.2}  # at the power cap
+    write_outputs(rows, meta, tmp_path)
+    assert "| 98.85 (1440 MHz, 645 W) | 197.70 |" in (tmp_path / "e2e.md").read_text()

@@ -60,3 +60,17 @@ def test_replay_profile_times_every_node_of_the_replayed_graph(name: str) -> Non
     assert cal.replayed, cal.notes
     assert "CUDA graph replays" in cal.fit(H200).source
     assert "CUDA graph replays" not in cal.fit(H200, source="eager").source
+
+
+def test_the_clock_sampler_reads_the_gpus_clock_and_power_under_load() -> None:
+    """NVML through ctypes on the device: a GEMM loop is sampled at a real SM clock and a
+    power draw above idle."""
+    from kopt.power import ClockSampler
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    with ClockSampler(a.device) as s:
+        for _ in range(200):
+            a @ a
+        torch.cuda.synchronize()
+    assert s.result is not None and s.result.samples > 3, "no NVML samples"
+    assert 300 < s.result.sm_mhz < 3000 and s.result.power_w > 100, s.result
