@@ -1,10 +1,11 @@
 """The GPU's SM clock and power draw while something runs, read from NVML.
 
-A GPU at its power cap lowers its clocks: on the H200 (700 W) the FP8 graph of FLUX.2 runs its
-attention 14% slower than the BF16 graph does (RESULTS.md, session 20), and nvidia-smi shows
-the SM clock between 1.4 and 1.98 GHz across one ablation. A kernel's time then depends on the
-power drawn by the graph around it, which a per-op rate cannot see; :class:`ClockSampler`
-records it beside a timing so that a measurement says at what clock it was made.
+A GPU at its power cap lowers its clocks: on the H200 (700 W) FLUX.2's FP8 graph runs at a
+median 1440 MHz against 1635 for its BF16 graph, and its unchanged FP8 GEMMs take 4% less time
+once the unfused QK-norm + RoPE kernels sit beside them (RESULTS.md, session 20). A kernel's
+time then depends on the power drawn by the graph around it, which a per-op rate cannot see;
+:class:`ClockSampler` records it beside a timing so that a measurement says at what clock it
+was made.
 
 NVML is read through ``ctypes`` (``libnvidia-ml.so.1``, which every NVIDIA driver ships): no
 Python package needed. Where there is no NVML (a CPU machine) the sampler records nothing.

@@ -20,7 +20,7 @@ in the first case, and a rewrite that adds a kernel to save bytes only in the se
 a trace had enough of it, else by category (``gemm``, ``attention``, ``quantization``,
 ``elementwise``); ``kernel_us`` is the fixed cost of anything else.
 A GPU at its power cap clocks down, and how far depends on the graph's mix: memory-bound
-kernels draw less than the cap (a copy on the H200: about half of its 700 W), so a graph with
+kernels draw less than the cap (a copy on the H200: 469 W of its 700 W), so a graph with
 more memory-bound time leaves more power to its compute-bound kernels, which then run at a
 higher clock. With the cap and the memory-bound power known (``power_cap_w``,
 ``memory_power_w``), a compute-bound kernel's time is its rate's (fitted at the reference
@@ -31,7 +31,7 @@ clock of a graph of compute-bound kernels only) times the graph's clock factor::
 
 (dynamic power grows as the cube of the clock, the voltage rising with it), no lower than
 ``1 / max_boost``. Measured on the H200 (RESULTS.md, session 20): FLUX.2's FP8 graph without
-the QK-norm + RoPE fusion adds 80 ms of memory-bound kernels per call, and its unchanged FP8
+the QK-norm + RoPE fusion adds 96 ms of memory-bound kernels per call, and its unchanged FP8
 GEMMs then run 4% faster, its attention 5%.
 
 The shipped :data:`H200` parameters are datasheet peaks, the measured copy bandwidth and launch
