@@ -463,10 +463,10 @@ def replay_launches(events: Sequence[RawEvent], iters: int
     return order, replays
 
 
-# Replays run before the profiled ones, for at least this long: a GPU at its power cap lowers
-# its clocks over the first ~second of sustained load, and the timed calls the profile
-# predicts run at the clocks that follow (H200, session 20: W1's calibration replays sampled
-# at 1980 MHz while its ablation rows, timed longer, ran at 1740-1930).
+# Replays run before the profiled ones, for at least this long: a few replays of a short graph
+# can end before a GPU at its power cap has lowered its clock to what longer timed calls run
+# at (H200, session 20: W1's calibration replays sampled 1980 MHz while its ablation rows,
+# timed longer, ran at 1590-1980). Whether one second is enough is not measured yet.
 STEADY_S = 1.0
 
 

@@ -600,8 +600,14 @@ def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
         clocks.append(clock)
     power = None
     if replay and any(c is not None for c in clocks):
-        power = read_power_limit(next(t.device for _, inputs in graphs for t in inputs
-                                      if isinstance(t, torch.Tensor)))
+        device = next(t.device for _, inputs in graphs for t in inputs
+                      if isinstance(t, torch.Tensor))
+        try:
+            power = read_power_limit(device)
+        except RuntimeError as e:  # out of memory, a failed capture: no power model, no stop
+            notes[-1] = f"{notes[-1]}; power limit not read: {str(e)[:200]}"
+        finally:
+            torch.cuda.empty_cache()
     return Calibration(tuple(out), tuple(replays), tuple(notes), tuple(clocks), power)
 
 
