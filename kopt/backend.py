@@ -44,6 +44,10 @@ INNER = ("inductor", "eager")
 # and 0.91x of Inductor's time on the W1, W2 and LLM image-token shapes; benchmarks/RESULTS.md.)
 LEFT_TO_INDUCTOR = {
     "fuse_act": "Inductor fuses the activation and the concatenation into its own kernels",
+    # kopt's kernel is Inductor's form: 1.01x / 1.00x Inductor's time at W1 / W2's joint V
+    # (H200, RESULTS.md session 18), a tie, not a win; Inductor can also fuse the copy into
+    # the ops around it
+    "cat_rows": "Inductor's kernel for the same concatenation is as fast (1.00-1.01x)",
 }
 
 

@@ -20,6 +20,7 @@ category's time is also set against its roofline at the device's measured ceilin
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -471,14 +472,21 @@ STEADY_S = 1.0
 
 
 def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
-                   iters: int = 3, steady_s: float = STEADY_S) -> tuple[Attribution | None, str]:
+                   iters: int = 3, steady_s: float = STEADY_S,
+                   during: contextlib.AbstractContextManager | None = None,
+                   ) -> tuple[Attribution | None, str]:
     """``eager`` (:func:`profile_graph` of the same call) with each node's kernel time as
     measured in CUDA graph replays of the graph (:class:`kopt.cudagraphs.CudaGraphRunner`, the
     hoisted regions outside it), and a line saying what was matched. What a replay predicts
     is the replayed kernels' time, which an eager profile can miss: on the H200, W2 FLUX.2's
     unfused QK-norm + RoPE graph held 420.5 ms of profiled kernels per call against 380.4 ms
     for its timed replay (RESULTS.md, session 7). ``(None, why)`` where the profiler saw no
-    replayed kernels or too few of them matched."""
+    replayed kernels or too few of them matched.
+
+    ``during`` (a :class:`kopt.power.ClockSampler`) is entered around the steady and the
+    profiled replays only: the GPU idles at its highest clock while the profiler starts and
+    while its trace is read, and a sampler around the whole call recorded that clock (session
+    20: 1980 MHz for W1's calibration graph, whose ablation row ran at 1830 MHz)."""
     from kopt.cudagraphs import CudaGraphRunner
 
     order_run = _Annotated(gm)
@@ -493,14 +501,15 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
             for _ in range(runner.warmup + 1):  # captured with the profiler on, so that its
                 runner(*inputs)  # replays are traced
             torch.cuda.synchronize()
-            start = time.perf_counter()
-            while time.perf_counter() - start < steady_s:  # to the clocks of sustained load
-                runner(*inputs)
-                torch.cuda.synchronize()
-            for i in range(iters):
-                with record_function(f"{REPLAY}{i}"):
+            with during if during is not None else contextlib.nullcontext():
+                start = time.perf_counter()
+                while time.perf_counter() - start < steady_s:  # to the clocks of sustained load
                     runner(*inputs)
                     torch.cuda.synchronize()
+                for i in range(iters):
+                    with record_function(f"{REPLAY}{i}"):
+                        runner(*inputs)
+                        torch.cuda.synchronize()
     order, replays = replay_launches(
         [RawEvent(e.name(), e.device_type() == torch.autograd.DeviceType.CUDA, e.start_ns(),
                   e.duration_ns(), e.correlation_id()) for e in
@@ -515,7 +524,8 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
     nodes = {}
     for name, c in eager.nodes.items():
         calls = [p.get(name, 0.0) for p in per_call]
-        ms = sum(calls) / len(calls) if c.ms > 0 else 0.0
+        # the mean of equal floats can round an ulp below them (3 x 2.7e-5 / 3): kept >= min
+        ms = max(sum(calls) / len(calls), min(calls)) if c.ms > 0 else 0.0
         nodes[name] = dataclasses.replace(c, ms=ms, min_ms=min(calls) if c.ms > 0 else 0.0)
     replayed = Attribution(eager.device, iters, nodes, dict(eager.unattributed),
                            eager.total_ms, dict(eager.category_ms))
@@ -525,12 +535,13 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
 
 
 def try_profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,
-                       iters: int = 3) -> tuple[Attribution | None, str]:
+                       iters: int = 3, during: contextlib.AbstractContextManager | None = None,
+                       ) -> tuple[Attribution | None, str]:
     """:func:`profile_replay`, or None and why where it fails (a graph that cannot be
     captured, a profiler that does not trace graph replays): a replay profile only refines
     what the eager one already measures."""
     try:
-        return profile_replay(gm, inputs, eager, iters)
+        return profile_replay(gm, inputs, eager, iters, during=during)
     except Exception as e:  # noqa: BLE001 -- the caller keeps the eager profile, and says why
         return None, f"not replayed: {type(e).__name__}: {str(e)[:200]}"
     finally:

@@ -483,7 +483,7 @@ def _fit_walls(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
         if model.asynchronous and p.host_ms <= p.device_ms:
             continue  # device-bound: the wall time is the device's
         ops = p.host_ms if model.asynchronous else p.total_ms
-        eqs.append((ops, len(counts), wall))
+        eqs.append((ops, sum(c.dispatched for c in counts), wall))  # the nodes node_us is of
     if not eqs:
         return model, ""
     if not model.asynchronous or len(eqs) < 2:
@@ -589,8 +589,9 @@ def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
             attribution.nodes = {k: dataclasses.replace(v, host_ms=host.get(k, v.host_ms))
                                  for k, v in attribution.nodes.items()}
             if replay:
-                with ClockSampler(attribution.device) as sampler:
-                    replayed, note = try_profile_replay(gm, inputs, attribution, iters)
+                sampler = ClockSampler(attribution.device)  # while the replays run only
+                replayed, note = try_profile_replay(gm, inputs, attribution, iters,
+                                                    during=sampler)
                 if sampler.result is not None:
                     clock = (sampler.result.sm_mhz, sampler.result.power_w)
                     note = f"{note}; {sampler.result.format()}"
@@ -648,6 +649,6 @@ def fit_error(model: DeviceModel, pairs: Sequence[Counted]) -> float:
         # an op's own time: its kernel, and on a CPU its dispatch (the graph's Python is
         # between the ops, not in them)
         predicted = model.kernel_ms(s.count) + (0.0 if model.asynchronous else
-                                                 model.host_ms(s.count) - model.node_us / 1e3)
+                                                 model.op_host_ms(s.count))
         errors.append(abs(predicted - measured) / measured)
     return statistics.median(errors) if errors else float("nan")

@@ -175,9 +175,11 @@ def test_under_inductor_the_fusions_inductor_wins_are_left_to_it() -> None:
     from kopt.backend import LEFT_TO_INDUCTOR, BackendOptions
     from kopt.passes import PassConfig
 
-    assert "fuse_act" in LEFT_TO_INDUCTOR
+    assert {"fuse_act", "cat_rows"} <= set(LEFT_TO_INDUCTOR)
     assert not BackendOptions.parse({"inner": "inductor"}).config.fuse_act
+    assert not BackendOptions.parse({"inner": "inductor"}).config.cat_rows
     assert BackendOptions.parse({"inner": "eager"}).config.fuse_act
+    assert BackendOptions.parse({"inner": "eager"}).config.cat_rows
     # asked for by name, or in a config object: kept
     assert BackendOptions.parse({"inner": "inductor",
                                  "config": {"fuse_act": True}}).config.fuse_act

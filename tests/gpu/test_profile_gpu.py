@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -40,6 +42,15 @@ def test_calibration_on_cuda_takes_host_times_outside_the_profiler() -> None:
     assert Calibration.from_json(cal.to_json()).fit(H200) == model
 
 
+class _Span:
+    def __enter__(self) -> _Span:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = time.perf_counter()
+
+
 @pytest.mark.parametrize("name", ["llm-tiny", "qwen-image-tiny"])
 def test_replay_profile_times_every_node_of_the_replayed_graph(name: str) -> None:
     from kopt.profile import profile_replay
@@ -48,12 +59,20 @@ def test_replay_profile_times_every_node_of_the_replayed_graph(name: str) -> Non
     cap = capture_module(w.model, w.args, w.kwargs)
     full = optimize_captured(cap, PassConfig(), VerifyOptions(enabled=False), None, w.name, 0.0)
     eager = profile_graph(full.gm, cap.example_inputs, iters=3)
-    replayed, note = profile_replay(full.gm, cap.example_inputs, eager, iters=3)
-    print(note)
+    span = _Span()
+    start = time.perf_counter()
+    replayed, note = profile_replay(full.gm, cap.example_inputs, eager, iters=3, steady_s=0.3,
+                                    during=span)
+    end = time.perf_counter()
+    print(note, f"; replays {span.end - span.start:.2f} s of the call's {end - start:.2f}")
+    # ``during`` holds the steady and the profiled replays, not the profiler's own work
+    assert span.end - span.start >= 0.3 and start < span.start and span.end < end
     assert replayed is not None, note
     timed = {k for k, v in eager.nodes.items() if v.ms > 0}
     assert timed == {k for k, v in replayed.nodes.items() if v.ms > 0}
-    assert all(0 < replayed.nodes[k].min_ms <= replayed.nodes[k].ms for k in timed)
+    odd = {k: (replayed.nodes[k].min_ms, replayed.nodes[k].ms) for k in timed
+           if not 0 < replayed.nodes[k].min_ms <= replayed.nodes[k].ms}
+    assert not odd, f"nodes whose least replayed time is not in (0, mean]: {odd}"
     # the same kernels: within a factor of two of their eager times in total
     assert 0.5 < replayed.attributed_ms / eager.attributed_ms < 2.0
     cal = measure([(full.gm, cap.example_inputs)], iters=3)
