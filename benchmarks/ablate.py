@@ -300,7 +300,11 @@ def main() -> None:
                       iters=args.profile_iters)
         (out / "calibration.json.gz").write_bytes(gzip.compress(cal.to_json().encode()))
         for i, note in enumerate(cal.notes):
-            print(f"calibration graph {i + 1}: {note or 'eager profile only'}", flush=True)
+            miss = cal.miss_ms[i] if i < len(cal.miss_ms) else None
+            walls = f"; {cal.graphs[i][2]:.4g} ms per call" + (
+                "" if miss is None else f", {miss:.4g} with its hoisted regions missing")
+            print(f"calibration graph {i + 1}: {note or 'eager profile only'}{walls}",
+                  flush=True)
         device = cal.fit(base, source=args.fit_source, power=not args.no_power)
         del full, first
         gc.collect()

@@ -46,6 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 import kopt
 from kopt.bench import median_ms
 from kopt.codegen.rowwise import INTERMEDIATES
+from kopt.floor import Floor, floor_lines, forward_work, measure_floor
 from kopt.models import Workload, build, main_output
 from kopt.passes.config import ACTIVATION_MATHS, LAYOUTS
 from kopt.power import ClockSampler
@@ -375,6 +376,8 @@ def write_outputs(rows: dict[str, dict], meta: dict, out_dir: Path) -> None:
     for name, r in rows.items():
         b = r.get("graph_breakdown", r["breakdown"])
         lines.append(f"| {name} | " + " | ".join(f"{b.get(c, 0.0):.2f}" for c in cats) + " |")
+    if meta.get("floor"):
+        lines += floor_lines(rows, Floor(**meta["floor"]))
     for name, r in rows.items():
         b = r.get("graph_breakdown", r["breakdown"])
         lines += ["", f"Longest kernels of {name} (ms per forward, launches per forward):", "",
@@ -449,6 +452,14 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             refs.append((kw, main_output(w.model(*w.args, **kw))))
     meta["error_inputs"] = len(refs)
+    work = forward_work(w.model, w.args, w.kwargs)
+    meta["work"] = {"gemm_tflop": work.gemm_flops / 1e12,
+                    "attention_tflop": work.attention_flops / 1e12,
+                    "attention_calls": [[list(a.q), list(a.k), a.calls, a.masked]
+                                        for a in work.attention]}
+    if args.device == "cuda":
+        meta["floor"] = measure_floor(work).to_json()
+        print(f"floor: {meta['floor']}", flush=True)
     rows: dict[str, dict] = {}
     for name in names:
         rows[name] = run_variant(name, w, uncond, refs, args)

@@ -116,6 +116,15 @@ class ClockSampler:
                                  len(self._samples))
 
 
+def max_clock_mhz(device: Any = "cuda") -> float | None:
+    """The highest SM clock (MHz) NVML reports for a CUDA device, or None (no NVML, a CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    limits = _Nvml(device.index or 0).limits()
+    return limits[1] if limits else None
+
+
 def read_power_limit(device: Any = "cuda", seconds: float = 3.0,
                      mib: int = 512) -> tuple[float, float, float] | None:
     """(power cap W, W a copy draws, highest SM clock MHz) of a CUDA device, or None without

@@ -50,6 +50,7 @@ from torch import fx
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
 from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel
+from kopt.passes.hoist import cached_regions
 from kopt.power import ClockSampler, read_power_limit
 from kopt.profile import Attribution, NodeCost, host_times, profile_graph, try_profile_replay
 
@@ -179,11 +180,14 @@ def fit(pairs: Sequence[tuple[fx.GraphModule, Attribution]], base: DeviceModel |
 
 def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
                 wall_ms: Sequence[float] | None = None, min_nodes: int = 3,
-                name: str | None = None, power: PowerLimit | None = None) -> DeviceModel:
+                name: str | None = None, power: PowerLimit | None = None,
+                miss_ms: Sequence[float | None] | None = None) -> DeviceModel:
     """:func:`fit` on graphs already counted (``(counts, attribution)``): what a
     :class:`Calibration` saved on one machine holds, fitted again on another. ``power``: the
     device was measured at its power cap; the compute-bound kernels' rates are then fitted
-    at the reference clock (:mod:`kopt.cost.device`'s power model) and the model keeps it."""
+    at the reference clock (:mod:`kopt.cost.device`'s power model) and the model keeps it.
+    ``miss_ms``: per graph, its wall time per call with its hoisted regions run
+    (:func:`miss_ms`), or None; a host-time equation more for the wall fit."""
     samples = _samples(pairs)
     if not samples:
         raise ValueError("no node of the trace has measured time")
@@ -269,7 +273,7 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
     model = model.with_(efficiency={**_layout_priors(base, rates), **rates})
     note = ""
     if wall_ms is not None:
-        model, note = _fit_walls(model, [counts for counts, _ in pairs], wall_ms)
+        model, note = _fit_walls(model, [counts for counts, _ in pairs], wall_ms, miss_ms)
         note += _slow_profiles(pairs, wall_ms)
     error = fit_error(model, pairs)
     where = ", ".join(sorted({a.device for _, a in pairs}))
@@ -463,7 +467,8 @@ def _fit_host(samples: Sequence[_Sample], launches: Sequence[float],
 
 
 def _fit_walls(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
-               wall_ms: Sequence[float]) -> tuple[DeviceModel, str]:
+               wall_ms: Sequence[float], miss_ms: Sequence[float | None] | None = None,
+               ) -> tuple[DeviceModel, str]:
     """Fit the host time the ops' own times do not show to the measured wall times per call.
 
     On a CPU (synchronous) every graph's wall time is its op times plus the graph's Python
@@ -475,10 +480,14 @@ def _fit_walls(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
     scale on the ops' host costs and ``node_us`` are fitted (non-negative least squares on
     relative errors), with one only ``node_us``. Hoisted
     regions hit their caches in repeated calls with the same inputs: their nodes count as not
-    run."""
+    run in ``wall_ms``, and as run in ``miss_ms`` (a graph's wall time with every region
+    missing, where measured), which is one more equation."""
+    timed = [([c for c in graph if c.cached is None], wall)
+             for graph, wall in zip(graphs, wall_ms, strict=True)]
+    timed += [(list(graph), miss) for graph, miss in
+              zip(graphs, miss_ms or [None] * len(graphs), strict=True) if miss is not None]
     eqs = []  # (ops' host ms, nodes, wall ms)
-    for graph, wall in zip(graphs, wall_ms, strict=True):
-        counts = [c for c in graph if c.cached is None]
+    for counts, wall in timed:
         p = model.predict(counts)
         if model.asynchronous and p.host_ms <= p.device_ms:
             continue  # device-bound: the wall time is the device's
@@ -515,6 +524,8 @@ class Calibration:
     clocks: tuple[tuple[float, float] | None, ...] = ()
     # the GPU's power cap, a copy's power and its highest clock (None: not read)
     power: tuple[float, float, float] | None = None
+    # per graph: its wall time per call with every hoisted region missing (None: no regions)
+    miss_ms: tuple[float | None, ...] = ()
 
     @property
     def power_limit(self) -> PowerLimit | None:
@@ -544,7 +555,7 @@ class Calibration:
         pairs = [(c, r if use_replay else a) for (c, a, _), r in
                  zip(self.graphs, self.replay or [None] * len(self.graphs), strict=True)]
         model = fit_counted(pairs, base, wall_ms=[w for *_, w in self.graphs],
-                            min_nodes=min_nodes, name=name,
+                            miss_ms=self.miss_ms or None, min_nodes=min_nodes, name=name,
                             power=self.power_limit if use_replay and power else None)
         if use_replay:
             model = model.with_(source=model.source + "; kernel times from CUDA graph replays")
@@ -554,12 +565,14 @@ class Calibration:
         replay = self.replay or (None,) * len(self.graphs)
         notes = self.notes or ("",) * len(self.graphs)
         clocks = self.clocks or (None,) * len(self.graphs)
+        misses = self.miss_ms or (None,) * len(self.graphs)
         return json.dumps([{"counts": [dataclasses.asdict(c) for c in counts],
                             "attribution": json.loads(a.to_json()), "wall_ms": wall,
                             "replay": None if r is None else json.loads(r.to_json()),
-                            "replay_note": note, "clocks": clock, "power": self.power}
-                           for (counts, a, wall), r, note, clock in
-                           zip(self.graphs, replay, notes, clocks, strict=True)])
+                            "replay_note": note, "clocks": clock, "power": self.power,
+                            "miss_ms": miss}
+                           for (counts, a, wall), r, note, clock, miss in
+                           zip(self.graphs, replay, notes, clocks, misses, strict=True)])
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -571,7 +584,8 @@ class Calibration:
                          Attribution.from_json(json.dumps(g["replay"])) for g in data),
                    tuple(g.get("replay_note", "") for g in data),
                    tuple(None if g.get("clocks") is None else tuple(g["clocks"]) for g in data),
-                   next((tuple(g["power"]) for g in data if g.get("power")), None))
+                   next((tuple(g["power"]) for g in data if g.get("power")), None),
+                   tuple(g.get("miss_ms") for g in data))
 
 
 def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
@@ -580,7 +594,7 @@ def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
     nodes' host times come from a run without the profiler (:func:`kopt.profile.host_times`),
     whose recording inflates them unevenly; and with ``replay`` the kernels are profiled again
     as replayed from a CUDA graph (:func:`kopt.profile.profile_replay`)."""
-    out, replays, notes, clocks = [], [], [], []
+    out, replays, notes, clocks, misses = [], [], [], [], []
     for gm, inputs in graphs:
         attribution = profile_graph(gm, inputs, iters=iters)
         replayed, note, clock = None, "", None
@@ -596,6 +610,7 @@ def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
                     clock = (sampler.result.sm_mhz, sampler.result.power_w)
                     note = f"{note}; {sampler.result.format()}"
         out.append((tuple(count_graph(gm)), attribution, best_ms(gm, inputs, iters)))
+        misses.append(miss_ms(gm, inputs, iters))
         replays.append(replayed)
         notes.append(note)
         clocks.append(clock)
@@ -609,7 +624,8 @@ def measure(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]], *,
             notes[-1] = f"{notes[-1]}; power limit not read: {str(e)[:200]}"
         finally:
             torch.cuda.empty_cache()
-    return Calibration(tuple(out), tuple(replays), tuple(notes), tuple(clocks), power)
+    return Calibration(tuple(out), tuple(replays), tuple(notes), tuple(clocks), power,
+                       tuple(misses))
 
 
 def calibrate(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]],
@@ -621,11 +637,33 @@ def calibrate(graphs: Sequence[tuple[fx.GraphModule, Sequence[Any]]],
 
 def best_ms(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5) -> float:
     """The least time per call of ``gm(*inputs)`` over ``iters`` calls (after a warm-up)."""
+    return _least_ms(lambda: gm(*inputs), inputs, iters)
+
+
+def miss_ms(gm: fx.GraphModule, inputs: Sequence[Any], iters: int = 5) -> float | None:
+    """:func:`best_ms` with every hoisted region's cache emptied before each call, so that
+    each call runs the regions as the first call of a CFG pair does; None without regions.
+    Repeated calls with the same inputs hit the caches, so :func:`best_ms` times the body
+    alone: this is the only measurement of the regions' own host time (W1: 2182 nodes, 1078
+    of them views, run eagerly before the CUDA graph's replay)."""
+    regions = cached_regions(gm)
+    if not regions:
+        return None
+
+    def call() -> None:
+        for r in regions:
+            r.clear()
+        gm(*inputs)
+
+    return _least_ms(call, inputs, iters)
+
+
+def _least_ms(call: Any, inputs: Sequence[Any], iters: int) -> float:
     device = next((t.device for t in inputs if isinstance(t, torch.Tensor)),
                   torch.device("cpu"))
     with torch.no_grad():
-        return min(median_ms(lambda: gm(*inputs), 1, warmup=1 if i == 0 else 0,
-                             device=device) for i in range(iters))
+        return min(median_ms(call, 1, warmup=1 if i == 0 else 0, device=device)
+                   for i in range(iters))
 
 
 def _kernels_per_op(samples: Sequence[_Sample]) -> dict[str, float]:

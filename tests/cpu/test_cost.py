@@ -34,6 +34,7 @@ from kopt.cost.counts import OpCount
 from kopt.cost.symbolic import HP, S_IMG, S_TXT, WP, B, D, S, capture_stages, symbolic_pipeline
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
+from kopt.passes.hoist import cached_regions
 from kopt.profile import Attribution, NodeCost
 
 OFF = kopt.VerifyOptions(enabled=False)
@@ -269,7 +270,6 @@ def test_a_node_that_dispatches_nothing_costs_no_host_time() -> None:
     hoisted region of 1082 getitems was predicted 13 ms slower per miss); a view pays the
     graph's Python and its dispatch."""
     from kopt.cost.calibrate import _fit_walls
-    from kopt.cost.counts import OpCount
 
     model = H200.with_(launch_us=6.0, view_us=1.0, node_us=2.0, host_us={})
     getitem = OpCount("g", "getitem", "view", "bfloat16", 0, 0, False, dispatched=False)
@@ -285,6 +285,47 @@ def test_a_node_that_dispatches_nothing_costs_no_host_time() -> None:
     wall = model.predict(graph).host_ms
     got, _ = _fit_walls(model.with_(node_us=0.0), [graph], [wall])
     assert got.node_us == pytest.approx(2.0, rel=1e-6)
+
+
+def test_a_miss_of_the_hoisted_regions_is_one_more_wall_equation() -> None:
+    """One host-bound graph whose hoisted region is mostly views: its wall with the caches
+    hit gives only ``node_us``; with the wall of a call where the region misses too, both
+    the scale on the profiled host times (1.6x too long here) and ``node_us`` come back,
+    and the region's host time is predicted as measured."""
+    from kopt.cost.calibrate import _fit_walls
+
+    truth = H200.with_(launch_us=6.0, view_us=1.0, node_us=2.0, host_us={})
+    profiled = truth.with_(launch_us=9.6, view_us=1.6, node_us=0.0)
+    launch = OpCount("m", "aten::mul", "elementwise", "bfloat16", 10, 40, True)
+    view = OpCount("u", "aten::unsqueeze", "view", "bfloat16", 0, 0, False)
+    region = [dataclasses.replace(view, cached="step")] * 300 + [
+        dataclasses.replace(launch, cached="step")] * 5
+    graph = [launch] * 50 + [view] * 100 + region
+    hit = truth.predict([c for c in graph if c.cached is None]).host_ms
+    miss = truth.predict(graph).host_ms
+    assert miss > hit > truth.predict(graph).device_ms
+    got, note = _fit_walls(profiled, [graph], [hit], [miss])
+    assert got.launch_us == pytest.approx(6.0, rel=1e-6)
+    assert got.view_us == pytest.approx(1.0, rel=1e-6)
+    assert got.node_us == pytest.approx(2.0, rel=1e-6)
+    assert "to 2 measured wall times" in note
+    assert got.predict(region).host_ms == pytest.approx(truth.predict(region).host_ms)
+    without, _ = _fit_walls(profiled, [graph], [hit])
+    assert without.view_us == 1.6  # one equation: the profiled times as they are
+
+
+def test_calibration_times_a_call_whose_hoisted_regions_miss(one_thread) -> None:  # noqa: ANN001
+    """``measure`` times each graph with hoisted regions once more with their caches emptied
+    before every call (None for a graph without regions); saved and read back."""
+    w = build("qwen-image-tiny")
+    cap = capture_module(w.model, w.args, w.kwargs)
+    spec = optimize_captured(cap, PassConfig(), OFF, None, w.name, 0.0)
+    regions = cached_regions(spec.gm)
+    assert regions, "qwen-image-tiny has its timestep work hoisted"
+    cal = measure([(cap.gm, cap.example_inputs), (spec.gm, cap.example_inputs)], iters=2)
+    assert cal.miss_ms[0] is None and cal.miss_ms[1] > 0
+    assert Calibration.from_json(cal.to_json()).miss_ms == cal.miss_ms
+    assert all(r._entries for r in regions)  # the caches serve the next call again
 
 
 def test_fit_groups_ops_only_where_sizes_tell_a_fixed_cost_from_a_rate() -> None:

@@ -95,6 +95,9 @@ def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  
     assert len(errors) == 3 and errors[0] == rows["kopt-bf16"]["rel_err_vs_eager"]
     assert all(e < 0.05 for e in errors)
     assert rows["kopt-bf16"]["passes"]["hoist"] == 1
+    work = data["meta"]["work"]  # the forward's work; its floor is measured on CUDA only
+    assert work["gemm_tflop"] > 0 and work["attention_tflop"] > 0 and work["attention_calls"]
+    assert "floor" not in data["meta"]
     for r in rows.values():  # two timings of 2 noisy CPU calls: order not asserted (below)
         assert r["forward_ms"] > 0 and r["step_ms"] > 0
         top = r["breakdown"].pop("top")

@@ -49,3 +49,13 @@ def test_the_device_index_reaches_nvml_whatever_form_the_device_takes(monkeypatc
     for device in ("cuda", "cuda:1", torch.device("cuda", 2), None):
         ClockSampler(device)
     assert seen == [0, 1, 2, 0]
+
+
+def test_the_highest_clock_comes_from_nvmls_limits(monkeypatch) -> None:  # noqa: ANN001
+    fake = _FakeNvml([])
+    fake.limits = lambda: (700.0, 1980.0)
+    monkeypatch.setattr(power, "_Nvml", lambda index: fake)
+    assert power.max_clock_mhz("cuda:0") == 1980.0
+    fake.limits = lambda: None  # NVML without the query
+    assert power.max_clock_mhz("cuda") is None
+    assert power.max_clock_mhz("cpu") is None
