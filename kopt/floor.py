@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from kopt.bench import median_ms
-from kopt.cost import H200
+from kopt.cost.device import KNOWN, known_device
 from kopt.power import ClockSampler, max_clock_mhz
 
 aten = torch.ops.aten
@@ -128,15 +128,21 @@ class Floor:
 
 
 def measure_floor(work: Work, device: str = "cuda") -> Floor:
-    """The floor of ``work`` on ``device``: GEMMs at :data:`kopt.cost.H200`'s datasheet peaks
-    (the GPU the harness runs on), attention at SDPA's rate alone, both at the highest clock."""
+    """The floor of ``work`` on ``device``: GEMMs at the datasheet peaks of the device's shipped
+    model (:func:`kopt.cost.known_device`; an unknown GPU is an error, not an H200's peaks),
+    attention at SDPA's rate alone, both at the highest clock."""
+    name = torch.cuda.get_device_name(device)
+    model = known_device(name)
+    if model is None:
+        raise ValueError(f"no datasheet peaks for {name!r}: kopt.cost knows "
+                         f"{', '.join(d.name for d in KNOWN)}")
     top = max_clock_mhz(device) or 0.0
     attention_ms = 0.0
     for a in work.attention:
         ms, mhz = attention_alone(a, device)
         # back to the highest clock: SDPA alone is short, usually already there
         attention_ms += ms * a.calls * (mhz / top if mhz and top else 1.0)
-    peaks = H200.peak_tflops
+    peaks = model.peak_tflops
     gemm = {"bf16": work.gemm_flops / (peaks["bfloat16"] * 1e9),
             "fp8": work.gemm_flops / (peaks["float8_e4m3fn"] * 1e9)}
     rate = work.attention_flops / (attention_ms * 1e9) if attention_ms else 0.0
