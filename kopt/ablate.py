@@ -366,18 +366,24 @@ def baseline_config(config: PassConfig, passes: Sequence[str] | None = None) -> 
     return variants(config, (), (), context)[0].config
 
 
-def step_inputs(w: Workload, steps: int = STEPS) -> list[list[Any]]:
-    """Flat inputs of ``steps`` consecutive steps: the workload's floating-point step inputs
-    (timestep, guidance) scaled per step into new tensors, the rest as they are."""
+def step_kwargs(w: Workload, steps: int = STEPS, kwargs: dict | None = None) -> list[dict]:
+    """``kwargs`` (the workload's by default) at ``steps`` consecutive steps: the
+    floating-point step inputs (timestep, guidance) scaled per step into new tensors, the rest
+    as they are."""
     out = []
     for s in range(steps):
-        kwargs = dict(w.kwargs)
+        kw = dict(w.kwargs if kwargs is None else kwargs)
         for k in w.step_invariant:
-            v = kwargs.get(k)
+            v = kw.get(k)
             if isinstance(v, torch.Tensor) and v.is_floating_point():
-                kwargs[k] = v * (1.0 - 0.1 * s)
-        out.append(flatten_inputs(w.args, kwargs)[0])
+                kw[k] = v * (1.0 - 0.1 * s)
+        out.append(kw)
     return out
+
+
+def step_inputs(w: Workload, steps: int = STEPS) -> list[list[Any]]:
+    """Flat inputs of :func:`step_kwargs`' steps."""
+    return [flatten_inputs(w.args, kw)[0] for kw in step_kwargs(w, steps)]
 
 
 def stepper(inputs: Iterator[list[Any]], calls: int) -> Callable[[Callable[..., Any]], None]:

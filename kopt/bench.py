@@ -15,7 +15,10 @@ import torch
 
 
 def median_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 3,
-              device: str | torch.device = "cpu") -> float:
+              device: str | torch.device = "cpu", repeat: int = 1) -> float:
+    """Median ms per call of ``fn`` over ``iters`` samples, each ``repeat`` calls back to back
+    (no synchronization between them: as a loop of steps runs, the host's work for the next
+    call overlaps the device's for this one; 1: each call timed alone)."""
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
@@ -27,12 +30,14 @@ def median_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 3,
             start, end = (torch.cuda.Event(enable_timing=True),
                           torch.cuda.Event(enable_timing=True))
             start.record()
-            fn()
+            for _ in range(repeat):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / repeat)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(repeat):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / repeat)
     return statistics.median(times)

@@ -158,8 +158,8 @@ def floor_lines(rows: dict[str, dict], floor: Floor) -> list[str]:
              f"{floor.gemm(True):.2f}), {floor.attention_tflop:.1f} TFLOP of attention at "
              f"SDPA's rate alone on the same shapes ({floor.attention_tflops:.0f} TFLOP/s, "
              f"{floor.attention_ms:.2f} ms); at a variant's clock both scale by "
-             f"{floor.max_mhz:.0f} MHz / its clock. ms per forward (CUDA graph where it "
-             "captured):", "",
+             f"{floor.max_mhz:.0f} MHz / its clock. ms per forward (one call on repeated "
+             "inputs, CUDA graph where it captured):", "",
              "| variant | clock MHz | GEMM (floor) | attention (floor) | rest | forward | floor "
              "at its clock | forward / floor |", "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():

@@ -44,33 +44,44 @@ def test_repeated_blocks_are_uniform_module_lists() -> None:
     assert repeated_blocks(model) == set(blocks)
 
 
-def test_a_step_times_both_calls_of_a_cfg_pair(monkeypatch) -> None:  # noqa: ANN001
-    """``forward_ms`` times one call, ``step_ms`` the workload's calls per step (the CFG pair:
-    cond, then uncond): counted, not inferred from two noisy timings."""
+def test_a_step_is_a_cfg_pair_on_a_new_timestep_and_steps_run_back_to_back(monkeypatch) -> None:  # noqa: ANN001, E501
+    """``forward_ms`` times one call on the workload's inputs; ``step_ms`` the workload's calls
+    per step (the CFG pair: cond, then uncond) on each step's own timestep, which the pair
+    shares as one tensor, ``STEPS`` steps back to back: counted, not inferred from timings."""
     import types
 
     import benchmarks.e2e as e2e
 
-    seen: list[str] = []
+    seen: list[tuple[str, torch.Tensor]] = []
 
-    def fn(*args: object, **kwargs: object) -> torch.Tensor:
-        seen.append(kwargs["which"])
+    def fn(*args: object, **kwargs: torch.Tensor) -> torch.Tensor:
+        seen.append((kwargs["which"], kwargs["t"]))
         return torch.ones(2)
 
-    per_timing: list[list[str]] = []
+    per_timing: list[tuple[int, list]] = []
 
-    def once(f, iters, warmup=0, device="cpu"):  # noqa: ANN001, ANN202
+    def once(f, iters, warmup=0, device="cpu", repeat=1):  # noqa: ANN001, ANN202
         seen.clear()
-        f()
-        per_timing.append(list(seen))
+        for _ in range(repeat):
+            f()
+        per_timing.append((repeat, list(seen)))
         return 1.0
 
     monkeypatch.setattr(e2e, "median_ms", once)
-    w = types.SimpleNamespace(args=(), kwargs={"which": "cond"}, calls_per_step=2)
-    row = e2e.measure("x", fn, w, {"which": "uncond"}, [({"which": "cond"}, torch.ones(2))],
+    t = torch.tensor([1000.0])
+    w = types.SimpleNamespace(args=(), kwargs={"which": "cond", "t": t}, calls_per_step=2,
+                              step_invariant=("t",))
+    row = e2e.measure("x", fn, w, {"which": "uncond", "t": t},
+                      [({"which": "cond", "t": t}, torch.ones(2))],
                       iters=1, graphs=False, device="cpu")
-    assert per_timing == [["cond"], ["cond", "uncond"]]
-    assert row["forward_ms"] == row["step_ms"] == 1.0
+    (one, forward), (repeat, steps) = per_timing
+    assert one == 1 and forward == [("cond", t)]
+    assert repeat == e2e.STEPS and [x for x, _ in steps] == ["cond", "uncond"] * e2e.STEPS
+    stamps = [x for _, x in steps]
+    assert all(stamps[2 * i] is stamps[2 * i + 1] for i in range(e2e.STEPS))
+    assert len({float(x) for x in stamps}) == e2e.STEPS  # a new timestep each step
+    assert row["forward_ms"] == row["step_ms"] == 1.0 and row["calls_per_step"] == 2
+    assert e2e.best_forward_ms(row) == 0.5  # the loop's ms per forward: a step over 2 calls
 
 
 def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  # noqa: ANN001
