@@ -23,10 +23,10 @@ call share the timestep tensor and the latents, differ in the text states; each 
 timestep, as a pipeline's loop runs them, 4 steps back to back without a synchronization); the
 table's ratio compares each variant's best ms per step over its calls (its forward in a
 loop), the output's relative error against eager-bf16 (cond call; on ``--error-inputs``
-inputs, 3 by default: the
-workload's, and latents and text drawn again like them), the GPU kernel time by category from
-torch.profiler (with the launch gaps: forward time minus busy kernel time), and for kopt the
-verification verdict. Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` into ``--out-dir``.
+inputs, 3 by default: the workload's, and latents and text drawn again like them), the GPU
+kernel time by category from torch.profiler (with the launch gaps: forward time minus busy
+kernel time), and for kopt the verification verdict. Writes ``e2e.json``, ``e2e.md`` and
+``e2e.png`` into ``--out-dir``.
 Medians of CUDA-event timings after warm-up, random weights and inputs.
 """
 
@@ -374,8 +374,9 @@ def write_outputs(rows: dict[str, dict], meta: dict, out_dir: Path) -> None:
     base = best_forward_ms(naive) if naive else None
     lines = [f"{meta['description']} — {meta['device']}, torch {meta['torch']}, {meta['date']}",
              "", "ms/forward: one call, the same inputs again (kopt's hoisted timestep work "
-             "cached); ms/step: the step's calls, each step a new timestep, 4 steps back to "
-             "back; in a loop: the best ms/step over its calls, which the ratio compares.", "",
+             f"cached); ms/step: the step's calls, each step a new timestep, {STEPS} steps back "
+             "to back; in a loop: the best ms/step over its calls, which the ratio compares.",
+             "",
              "| variant | ms/forward | ms/step | + CUDA graph ms/forward | ms/step "
              "| in a loop, ms/forward | vs naive-fp8+Inductor | rel. error vs eager |",
              "|---|---|---|---|---|---|---|---|"]

@@ -118,10 +118,13 @@ class Floor:
     def gemm(self, fp8: bool) -> float:
         return self.gemm_ms["fp8" if fp8 else "bf16"]
 
+    def scale(self, mhz: float | None) -> float:
+        """How much longer the floor is at ``mhz`` than at the highest clock (1 without)."""
+        return self.max_mhz / mhz if mhz and self.max_mhz else 1.0
+
     def at_clock(self, fp8: bool, mhz: float | None) -> float:
         """The floor of a variant whose graph ran at ``mhz`` (its highest clock's without)."""
-        scale = self.max_mhz / mhz if mhz and self.max_mhz else 1.0
-        return (self.gemm(fp8) + self.attention_ms) * scale
+        return (self.gemm(fp8) + self.attention_ms) * self.scale(mhz)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -167,7 +170,7 @@ def floor_lines(rows: dict[str, dict], floor: Floor) -> list[str]:
         forward = r.get("graph_forward_ms", r["forward_ms"])
         mhz = r.get("graph_sm_mhz")
         fp8 = "fp8" in name
-        scale = floor.max_mhz / mhz if mhz and floor.max_mhz else 1.0
+        scale = floor.scale(mhz)
         gemm, attn = b.get("gemm", 0.0), b.get("attention", 0.0)
         at = floor.at_clock(fp8, mhz)
         lines.append(f"| {name} | {f'{mhz:.0f}' if mhz else '-'} | {gemm:.2f} "
