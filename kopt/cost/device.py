@@ -80,6 +80,9 @@ class DeviceModel:
     host_us: Mapping[str, float] = field(default_factory=dict)  # op: launch_us where it differs
     view_us: float = 0.0  # host time of an aten op that launches nothing (a view)
     node_us: float = 0.0  # host time of every node on top: the graph's own Python
+    # the same for a hoisted region's nodes, from its measured miss (None: node_us): they are
+    # mostly views of one merged GEMM, far cheaper than the average node of the graph
+    region_node_us: float | None = None
     graph_launch_us: float | None = 1.0  # per launch in a CUDA graph replay; None: no graphs
     kernel_us: float = 0.0  # device time every kernel takes on top of its roofline time
     fixed_us: Mapping[str, float] = field(default_factory=dict)  # op or category: kernel_us
@@ -178,11 +181,18 @@ class DeviceModel:
             return 0.0
         op = self.launches(c) * self.host_us.get(c.op, self.launch_us) if c.kernel else \
             self.view_us
-        return (self.node_us + op) / 1e3
+        return (self.node_cost_us(c) + op) / 1e3
+
+    def node_cost_us(self, c: OpCount) -> float:
+        """The graph's Python around the node's op call: ``region_node_us`` in a hoisted
+        region where it was measured, else ``node_us``."""
+        if c.cached is not None and self.region_node_us is not None:
+            return self.region_node_us
+        return self.node_us
 
     def op_host_ms(self, c: OpCount) -> float:
         """The op's own host time, without the graph's Python around it (``node_us``)."""
-        return self.host_ms(c) - (self.node_us / 1e3 if c.dispatched else 0.0)
+        return self.host_ms(c) - (self.node_cost_us(c) / 1e3 if c.dispatched else 0.0)
 
     def predict(self, counts: Iterable[OpCount], *, cuda_graphs: bool = False,
                 weights: Sequence[float] | None = None) -> Prediction:
@@ -250,11 +260,14 @@ class DeviceModel:
         fixed = "".join(f", {k} {v:.2f}" for k, v in sorted(self.fixed_us.items()))
         host = "".join(f", {k} {v:.0f}" for k, v in sorted(self.host_us.items()))
         graph = "-" if self.graph_launch_us is None else f"{self.graph_launch_us:.2f}"
+        region = "" if self.region_node_us is None else \
+            f", hoisted region node {self.region_node_us:.2f}"
         power = (f"; power cap {self.power_cap_w:.0f} W, memory-bound kernels "
                  f"{self.memory_power_w:.0f} W, clock up to {self.max_boost:.2f}x"
                  if self.power_limited else "")
         return (f"{self.name}: peak TFLOP/s {peaks}; {self.bandwidth_gbs:g} GB/s; launch "
-                f"{self.launch_us:.2f} us (view {self.view_us:.2f}, node {self.node_us:.2f}, "
+                f"{self.launch_us:.2f} us (view {self.view_us:.2f}, node {self.node_us:.2f}"
+                f"{region}, "
                 f"graph {graph}{host}); kernel fixed us {self.kernel_us:.2f}{fixed}; efficiency "
                 f"{eff or '1.0'}{power}"
                 + (f" [{self.source}]" if self.source else ""))

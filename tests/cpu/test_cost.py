@@ -314,6 +314,35 @@ def test_a_miss_of_the_hoisted_regions_is_one_more_wall_equation() -> None:
     assert without.view_us == 1.6  # one equation: the profiled times as they are
 
 
+def test_the_hoisted_regions_node_cost_is_fitted_from_their_miss() -> None:
+    """Two host-bound graphs fit the scale and ``node_us`` from their hit walls; a region of
+    views whose generated code costs a quarter of the average node then gets its own cost per
+    node from the miss wall, and its miss is predicted as measured (at ``node_us`` it would
+    be 1.95x too slow here)."""
+    from kopt.cost.calibrate import _fit_walls
+
+    truth = H200.with_(launch_us=6.0, view_us=1.0, node_us=2.0, region_node_us=0.5,
+                       host_us={})
+    profiled = truth.with_(launch_us=9.6, view_us=1.6, node_us=0.0, region_node_us=None)
+    launch = OpCount("m", "aten::mul", "elementwise", "bfloat16", 10, 40, True)
+    view = OpCount("u", "aten::unsqueeze", "view", "bfloat16", 0, 0, False)
+    region = [dataclasses.replace(view, cached="step")] * 300 + [
+        dataclasses.replace(launch, cached="step")] * 5
+    plain = [launch] * 80 + [view] * 40
+    graph = [launch] * 50 + [view] * 100 + region
+    walls = [truth.predict(plain).host_ms, truth.predict(graph[:150]).host_ms]
+    miss = truth.predict(graph).host_ms
+    got, note = _fit_walls(profiled, [plain, graph], walls, [None, miss])
+    assert got.node_us == pytest.approx(2.0, rel=1e-6)
+    assert got.region_node_us == pytest.approx(0.5, rel=1e-6)
+    assert "hoisted regions' nodes 0.50 us" in note
+    assert got.predict(region).host_ms == pytest.approx(truth.predict(region).host_ms)
+    at_average = got.with_(region_node_us=None).predict(region).host_ms
+    assert at_average == pytest.approx(1.95 * truth.predict(region).host_ms, rel=0.01)
+    without, _ = _fit_walls(profiled, [plain, graph], walls)
+    assert without.region_node_us is None and without.node_us == pytest.approx(2.0, rel=1e-6)
+
+
 def test_calibration_times_a_call_whose_hoisted_regions_miss(one_thread) -> None:  # noqa: ANN001
     """``measure`` times each graph with hoisted regions once more with their caches emptied
     before every call (None for a graph without regions); saved and read back."""
