@@ -20,12 +20,14 @@ call, as a CFG loop does, is not handed a buffer the next replay overwrites;
 from __future__ import annotations
 
 import logging
+import operator
+import weakref
 from typing import Any
 
 import torch
 from torch import fx
 
-from kopt.passes.hoist import CachedRegion
+from kopt.passes.hoist import CachedRegion, trailing_views
 
 log = logging.getLogger("kopt")
 
@@ -33,7 +35,13 @@ log = logging.getLogger("kopt")
 def split_hoisted(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphModule]:
     """``(prelude, body)``: the prelude runs the hoisted regions from the graph's inputs, the
     body takes the inputs plus one extra input per region (its output tuple). ``(None, gm)``
-    when there is no region, or a region reads something other than graph inputs."""
+    when there is no region, or a region reads something other than graph inputs.
+
+    A region's trailing views (:func:`kopt.passes.hoist.trailing_views`) move into the body:
+    the prelude's region returns their bases, which the runner copies into the graph's
+    buffers, and the replay cuts them for free. The prelude's regions are then new
+    :class:`CachedRegion` modules of their own (their cache apart from ``gm``'s, whose eager
+    calls keep the views cached)."""
     calls = [n for n in gm.graph.nodes if n.op == "call_module"
              and isinstance(gm.get_submodule(n.target), CachedRegion)]
     if not calls:
@@ -42,13 +50,20 @@ def split_hoisted(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphMo
         log.info("kopt: a hoisted region reads computed values; it is captured with the graph")
         return None, gm
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    cuts = {c: _cut(gm.get_submodule(c.target), c) for c in calls}
 
+    root = torch.nn.Module()
     pre = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for p in placeholders:
         env[p] = pre.node_copy(p)
-    pre.output(tuple(pre.node_copy(c, lambda a: env[a]) for c in calls))
-    prelude = fx.GraphModule(gm, pre)
+    outs = []
+    for i, c in enumerate(calls):
+        region = cuts[c][0] if cuts[c] is not None else gm.get_submodule(c.target)
+        root.add_module(f"region_{i}", region)
+        outs.append(pre.call_module(f"region_{i}", tuple(env[a] for a in c.args)))
+    pre.output(tuple(outs))
+    prelude = fx.GraphModule(root, pre)
 
     body = fx.Graph()
     env = {}
@@ -57,11 +72,79 @@ def split_hoisted(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphMo
     for c in calls:
         env[c] = body.placeholder(f"{c.name}_outputs")
         env[c].meta = dict(c.meta)
+        if cuts[c] is not None:
+            region, views = cuts[c]
+            env[c].meta["val"] = next(n for n in region.region.graph.nodes
+                                      if n.op == "output").meta.get("val")
+            pieces = _replay_views(body, env[c], views)
+            for u in c.users:  # getitem(call, j): the body's cut of output j
+                env[u] = pieces[u.args[1]]
     for n in gm.graph.nodes:
         if n.op != "placeholder" and n not in env:
             env[n] = body.node_copy(n, lambda a: env[a])
     body_gm = fx.GraphModule(gm, body)
     return prelude, body_gm
+
+
+# region -> its cut (:func:`_cut`), made once per region: graphs that share a region (the
+# specialisations of a CFG pair whose prompts differ in length) share its replay form, and
+# so its cache
+_CUTS: weakref.WeakKeyDictionary[CachedRegion, tuple[CachedRegion, tuple] | None] = \
+    weakref.WeakKeyDictionary()
+
+
+def replay_region(module: CachedRegion) -> CachedRegion | None:
+    """The region a runner's prelude calls in place of ``module``, where one was cut."""
+    cut = _CUTS.get(module)
+    return cut[0] if cut is not None else None
+
+
+def _cut(module: CachedRegion, call: fx.Node) -> tuple[CachedRegion, tuple] | None:
+    """``(region, cut)``: the region without its trailing views, a new module that returns
+    their bases, and what the body needs to compute the views from them, ``(the region's
+    graph, its trailing views, the bases)``; None when there is nothing to move, or
+    ``call``'s value is used other than by index."""
+    if any(u.target is not operator.getitem or not isinstance(u.args[1], int)
+           for u in call.users):
+        return None
+    if module not in _CUTS:
+        _CUTS[module] = _cut_views(module)
+    return _CUTS[module]
+
+
+def _cut_views(module: CachedRegion) -> tuple[CachedRegion, tuple] | None:
+    graph = module.region.graph
+    views = trailing_views(graph)
+    if not views:
+        return None
+    kept = [n for n in graph.nodes if n not in views and n.op != "output"]
+    bases = list(dict.fromkeys(i for v in views for i in v.all_input_nodes if i not in views))
+    output = next(n for n in graph.nodes if n.op == "output")
+    bases += [o for o in output.args[0] if o not in views and o not in bases]
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in kept:
+        env[n] = new.node_copy(n, lambda a: env[a])
+    out = new.output(tuple(env[b] for b in bases))
+    out.meta["val"] = tuple(b.meta.get("val") for b in bases)
+    region = CachedRegion(fx.GraphModule(module.region, new), module.key_positions,
+                          module.key_names)
+    return region, (graph, views, bases)
+
+
+def _replay_views(body: fx.Graph, bases_tuple: fx.Node, cut: tuple) -> dict[int, fx.Node]:
+    """The region's outputs as nodes of ``body``, cut from the tuple of bases by the trailing
+    views; by output index."""
+    graph, views, bases = cut
+    env: dict[fx.Node, fx.Node] = {}
+    for j, b in enumerate(bases):
+        env[b] = body.call_function(operator.getitem, (bases_tuple, j))
+        env[b].meta = dict(b.meta)
+    for n in graph.nodes:
+        if n in views:
+            env[n] = body.node_copy(n, lambda a: env[a])
+    output = next(n for n in graph.nodes if n.op == "output")
+    return {j: env[o] for j, o in enumerate(output.args[0])}
 
 
 class CudaGraphRunner:

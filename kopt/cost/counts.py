@@ -19,7 +19,8 @@ expressions of the workload's symbols):
 A hoisted region (``kopt.passes.hoist``) is counted node by node, each marked with how its cache
 is keyed (``step``: a conditioning input such as the timestep, recomputed once per denoising
 step; ``static``: only integer inputs such as position ids, recomputed once per generation), so
-a cost model can weigh it by how often it misses.
+a cost model can weigh it by how often it misses. Its trailing views (``replayed``) run in
+the CUDA graph's replay, not in the eager prelude, where a runner captures one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sympy
@@ -37,7 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils import flop_counter
 
 from kopt.graph import constant_nodes
-from kopt.passes.hoist import CachedRegion
+from kopt.passes.hoist import CachedRegion, trailing_views
 from kopt.profile import op_category, qualified_name
 
 aten = torch.ops.aten
@@ -84,6 +85,9 @@ class OpCount:
     cached: str | None = None  # in a hoisted region keyed on "step" or "static" inputs
     dispatched: bool = True  # an aten/kopt op (False: Python such as operator.getitem)
     layout: str = ""  # "broadcast", "strided" (element-wise operands), "bias" (see layout)
+    # a hoisted region's trailing view, which a CUDA graph's replay computes instead of the
+    # eager prelude (kopt.passes.hoist.trailing_views)
+    replayed: bool = False
 
     @property
     def rate_key(self) -> str:
@@ -101,7 +105,7 @@ class OpCount:
         """This count with its symbols replaced by ``values`` (numbers)."""
         return OpCount(self.node, self.op, self.category, self.dtype, _number(self.flops, values),
                        _number(self.bytes, values), self.kernel, self.cached, self.dispatched,
-                       self.layout)
+                       self.layout, self.replayed)
 
 
 def _number(x: Any, values: dict) -> float | int:
@@ -289,8 +293,13 @@ def count_graph(gm: fx.GraphModule, info: InfoOf = meta_info, *, folded: bool = 
                                 "not a graph")
             kind = region_kind(gm, node) if isinstance(mod, CachedRegion) else cached
             scope = f"{prefix}{node.target}/"
-            out.extend(count_graph(inner, _scoped(info, scope), folded=folded, prefix=scope,
-                                   cached=kind))
+            inner_counts = count_graph(inner, _scoped(info, scope), folded=folded,
+                                       prefix=scope, cached=kind)
+            if isinstance(mod, CachedRegion):
+                views = {scope + v.name for v in trailing_views(inner.graph)}
+                inner_counts = [replace(c, replayed=True) if c.node in views else c
+                                for c in inner_counts]
+            out.extend(inner_counts)
     return out
 
 

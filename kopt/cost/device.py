@@ -204,7 +204,8 @@ class DeviceModel:
         to back, each with its in-graph launch gap, no host time -- except the hoisted regions,
         which run eagerly before the replay (a graph would replay one timestep's values for
         every later one, :mod:`kopt.cudagraphs`): on a miss their launches and kernels are paid
-        like an eager call's, in series with the replay."""
+        like an eager call's, in series with the replay; their trailing views
+        (``OpCount.replayed``) the replay computes for free."""
         counts = list(counts)
         w = weights if weights is not None else [1.0] * len(counts)
         graphs = cuda_graphs and self.graph_launch_us is not None
@@ -216,7 +217,8 @@ class DeviceModel:
             if f == 0:
                 continue
             k = f * t
-            part = parts["prelude" if graphs and c.cached is not None else "body"]
+            part = parts["prelude" if graphs and c.cached is not None and not c.replayed
+                         else "body"]
             part[0] += k
             part[1] += f * self.host_ms(c)
             part[2] += f * self.launches(c)

@@ -409,3 +409,43 @@ def _extract_region(gm: fx.GraphModule, key: tuple[fx.Node, ...],
 
 def cached_regions(gm: fx.GraphModule) -> list[CachedRegion]:
     return [m for m in gm.modules() if isinstance(m, CachedRegion)]
+
+
+# Views that may copy (reshape of a non-viewable layout, contiguous): not moved out of a region.
+_MAYBE_COPIES = {aten.reshape.default, aten.contiguous.default}
+
+
+def _is_alias(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or target in _MAYBE_COPIES:
+        return False
+    return target is operator.getitem or bool(getattr(target, "is_view", False))
+
+
+def trailing_views(region: fx.Graph) -> set[fx.Node]:
+    """The region's views that only cut its results into its outputs (W1: the 360 splits,
+    718 unsqueezes and 1082 getitems that cut the one merged modulation GEMM per block), over
+    bases that are contiguous tensors. A CUDA graph replays a view for free while the eager
+    prelude pays each one's dispatch (4.9 ms of host time per miss on W1, session 23), so the
+    CUDA-graph runner computes these in the captured body from the region's bases
+    (:func:`kopt.cudagraphs.split_hoisted`). A contiguous base keeps the views valid on the
+    graph's own copy of it (a clone of a strided tensor may be laid out otherwise)."""
+    nodes = list(region.nodes)
+    sunk = {n for n in nodes if _is_alias(n)}
+
+    def base_ok(i: fx.Node) -> bool:
+        v = i.meta.get("val")
+        return isinstance(v, torch.Tensor) and v.is_contiguous()
+
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(nodes):  # every user an output or another trailing view
+            if n in sunk and any(u.op != "output" and u not in sunk for u in n.users):
+                sunk.discard(n)
+                changed = True
+        for n in nodes:  # every input another trailing view or a contiguous base
+            if n in sunk and any(i not in sunk and not base_ok(i) for i in n.all_input_nodes):
+                sunk.discard(n)
+                changed = True
+    return sunk

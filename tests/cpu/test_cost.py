@@ -556,6 +556,12 @@ def test_a_cuda_graph_replay_pays_the_hoisted_regions_eagerly_on_a_miss() -> Non
     # without hoisting the same work runs inside the graph every call
     inline = [dataclasses.replace(c, cached=None) for c in region + views]
     assert graph.predict(body + inline).total_ms == pytest.approx(20 * 4 / 1e3)
+    # the region's trailing views run in the replay (kopt.cudagraphs.split_hoisted): free
+    replayed = [dataclasses.replace(v, replayed=True) for v in views]
+    assert graph.predict(body + region + replayed).total_ms == pytest.approx(
+        (10 * 4 + 10 * 20 / 2) / 1e3)
+    assert eager.total_ms == pytest.approx(dataclasses.replace(graph, cuda_graphs=False)
+                                           .predict(body + region + replayed).total_ms)
 
 
 def test_host_costs_are_medians_that_near_zero_timings_do_not_decide() -> None:

@@ -227,7 +227,7 @@ def test_cuda_graph_split_runs_hoisted_regions_before_an_equal_body(qwen) -> Non
     """The split a CUDA graph is captured from: regions in the prelude, none in the body, and
     prelude + body computes what the whole graph does (a CPU check of kopt.cudagraphs)."""
     from kopt.capture import flatten_inputs
-    from kopt.cudagraphs import split_hoisted
+    from kopt.cudagraphs import replay_region, split_hoisted
     from kopt.passes.hoist import CachedRegion
 
     w, hoisted, _ = qwen
@@ -235,7 +235,20 @@ def test_cuda_graph_split_runs_hoisted_regions_before_an_equal_body(qwen) -> Non
     prelude, body = split_hoisted(gm)
     assert prelude is not None
     assert not any(isinstance(m, CachedRegion) for m in body.modules())
-    assert sum(isinstance(m, CachedRegion) for m in prelude.modules()) == 1
+    (region,) = [m for m in prelude.modules() if isinstance(m, CachedRegion)]
+    # the views that cut the merged modulation GEMM per block moved into the body: the
+    # prelude's region returns that GEMM's output alone, not one tensor per block and stream
+    (whole,) = [m for m in gm.modules() if isinstance(m, CachedRegion)]
+    assert len(_outputs(whole)) == 22 and len(_outputs(region)) == 1
+    assert region is not whole and not any(n.target is aten.split.Tensor
+                                           for n in region.region.graph.nodes)
+    assert sum(n.target is aten.split.Tensor for n in body.graph.nodes) == sum(
+        n.target is aten.split.Tensor for n in whole.region.graph.nodes)
+    # cut once per region: graphs that share the region (a CFG pair's two signatures) share
+    # the prelude's form of it, and so its cache
+    again, _ = split_hoisted(gm)
+    assert [m for m in again.modules() if isinstance(m, CachedRegion)] == [region]
+    assert replay_region(whole) is region
     flat = flatten_inputs(w.args, w.kwargs)[0]
     with torch.no_grad():
         want = gm(*flat)
@@ -244,6 +257,33 @@ def test_cuda_graph_split_runs_hoisted_regions_before_an_equal_body(qwen) -> Non
             got = body(*flat, *regions)
     assert rec.rows.count(1) == 0  # the timestep GEMMs ran in the prelude, not in the body
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _outputs(region) -> tuple:  # noqa: ANN001
+    return next(n for n in region.region.graph.nodes if n.op == "output").args[0]
+
+
+def test_trailing_views_stop_at_a_computed_use_and_at_a_strided_base() -> None:
+    """Only views whose values flow into the outputs alone move to the replay, and only over
+    a contiguous base: the graph's copy of a strided base is laid out anew by its clone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kopt.passes.hoist import trailing_views
+
+    def region(t: torch.Tensor, w: torch.Tensor) -> tuple:
+        m = torch.mm(t, w)  # [2, 12], contiguous
+        a, b, c = torch.split(m, 4, dim=1)  # every piece an output: all trailing
+        n = torch.mm(t, w) * 3
+        d, e = torch.split(n, 6, dim=1)  # e is added to: the split is computed in the region
+        tw = m.t()  # strided, read by a multiply
+        return a.unsqueeze(1), b, c, d, e + 1, tw * 2, tw.unsqueeze(0)
+
+    g = make_fx(region)(torch.randn(2, 3), torch.randn(3, 12)).graph
+    by_target = [str(n.target) for n in trailing_views(g)]
+    assert sorted(by_target) == sorted(["aten.split.Tensor"] + ["<built-in function getitem>"] * 3
+                                       + ["aten.unsqueeze.default"])
+    # d's getitem is not one: its base is the split's list, not a contiguous tensor; nor is
+    # tw's unsqueeze (a strided base), nor tw itself (a multiply reads it)
 
 
 def test_an_equal_timestep_in_a_new_tensor_hits(qwen) -> None:  # noqa: ANN001

@@ -70,6 +70,8 @@ def test_cuda_graph_mode_replays_cfg_pairs_with_changing_timesteps() -> None:
         runner = graphed._specs[graphed._first_key].runner
         if runner.graph is not None and not runner_checked:
             assert runner.hoisted_outside
+            # the region's views run in the replay: the prelude hands over one GEMM's output
+            assert [len(r) for r in runner._last_regions] == [1]
             runner_checked = True
     assert runner_checked
     (hits, misses), = graphed.cache_stats().values()
