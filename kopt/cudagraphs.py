@@ -9,6 +9,9 @@ modulation for every later timestep. So the graph is split:
     prelude(inputs)              -> region outputs   (eager: a cache hit launches nothing)
     body(inputs, region outputs) -> outputs          (captured once, replayed)
 
+A region's trailing views (W1: the 1078 that cut one merged modulation GEMM per block) run in
+the body, where a replay does them for free: the prelude returns their bases only.
+
 Each call copies the inputs into the captured input buffers (skipped for a tensor that already is
 one) and the region outputs when the region returned different tensors than last time (a miss:
 a new timestep), all in a few multi-tensor launches (:func:`copy_all`); then it replays, and
