@@ -411,17 +411,6 @@ def cached_regions(gm: fx.GraphModule) -> list[CachedRegion]:
     return [m for m in gm.modules() if isinstance(m, CachedRegion)]
 
 
-# Views that may copy (reshape of a non-viewable layout, contiguous): not moved out of a region.
-_MAYBE_COPIES = {aten.reshape.default, aten.contiguous.default}
-
-
-def _is_alias(node: fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or target in _MAYBE_COPIES:
-        return False
-    return target is operator.getitem or bool(getattr(target, "is_view", False))
-
-
 def trailing_views(region: fx.Graph) -> set[fx.Node]:
     """The region's views that only cut its results into its outputs (W1: the 360 splits,
     718 unsqueezes and 1082 getitems that cut the one merged modulation GEMM per block), over
@@ -430,8 +419,10 @@ def trailing_views(region: fx.Graph) -> set[fx.Node]:
     CUDA-graph runner computes these in the captured body from the region's bases
     (:func:`kopt.cudagraphs.split_hoisted`). A contiguous base keeps the views valid on the
     graph's own copy of it (a clone of a strided tensor may be laid out otherwise)."""
+    from kopt.cost.counts import is_view  # counts imports this module
+
     nodes = list(region.nodes)
-    sunk = {n for n in nodes if _is_alias(n)}
+    sunk = {n for n in nodes if n.op == "call_function" and is_view(n)}
 
     def base_ok(i: fx.Node) -> bool:
         v = i.meta.get("val")
