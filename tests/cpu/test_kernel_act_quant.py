@@ -55,8 +55,10 @@ def check_values(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
     step = 2.0**-3 * rf.abs() + 2.0**-9
     assert ((qf - rf).abs() <= step + SCALE_RTOL[dtype] * rf.abs() * 2).all()
     # the interpreter's exp/erf/tanh differ from torch's in the last bit, nothing else does:
-    # all but a few values are bitwise the reference's (a misplaced rounding would move many)
-    same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+    # all but a few values are the reference's (a misplaced rounding would move many). Compared
+    # as values: GELU(erf) of a large negative x is -0 in the kernel and, in torch's vectorized
+    # CPU kernel on some processors, +0 (two e4m3 codes of one value; the GPU tests compare bits)
+    same = (qf == rf).float().mean().item()
     assert same >= 0.99, same
 
 
