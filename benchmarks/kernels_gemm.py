@@ -5,6 +5,7 @@ ops vs ``torch.compile`` of those same ops.
     python -m benchmarks.kernels_gemm --out gemm.json           # from the repo root, on the GPU
     python -m benchmarks.kernels_gemm --only W1 --bf16 --precise --out gemm.json
     python -m benchmarks.kernels_gemm --sweep --out sweep.json   # every tile config, untuned
+    python -m benchmarks.kernels_gemm --blockwise --only W1 --out bw.json
 
 Shapes come from diffusers' transformer_qwenimage.py / transformer_flux2.py at 1024x1024, batch 1:
 - W1 Qwen-Image: dim 3072 (24 heads x 128), 4096 image + 128 text tokens, separate image/text
@@ -18,6 +19,12 @@ Shapes come from diffusers' transformer_qwenimage.py / transformer_flux2.py at 1
   2 x 18432 = 55296, out 24576 -> 6144 (gated residual); modulation 6144 -> 36864 / 18432.
 - W3 Qwen3-8B decode (``--only W3``): one token through the merged QKV 4096 -> 6144, o_proj,
   merged gate/up 4096 -> 24576 and down 12288 -> 4096, no biases.
+
+``--blockwise``: the blockwise recipe (1x128 activation groups x 128x128 weight blocks): the
+template's blockwise GEMM at each of its configs against cuBLAS's (``kopt::fp8_blockwise_mm``,
+``F.scaled_mm``); where the GEMM is followed by bias + GELU (the MLP up projection), the GEMM
+with the activation and the next GEMM's 1x128 quantization in its epilogue
+(``kopt::fp8_blockwise_gemm_act_quant``) against cuBLAS + ``kopt::act_quant_fp8_group``.
 
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays (``--no-graph``: plain
 launches) of one call per input set; input sets rotate (distinct random operands, like distinct
@@ -274,6 +281,102 @@ def sweep_case(c: Case, g: torch.Generator) -> dict:
     return row
 
 
+@dataclass
+class BlockInputs:
+    a: torch.Tensor  # [M, K] e4m3, 1x128 groups
+    sa: torch.Tensor  # [M, K / 128], strides (1, M)
+    w: torch.Tensor  # [N, K] e4m3, 128x128 blocks
+    sw: torch.Tensor  # [N / 128, K / 128]
+    bias: torch.Tensor | None
+
+
+def blockwise_case(c: Case, g: torch.Generator) -> dict:
+    """The blockwise recipe's GEMM (and its MLP up projection's act + quant) timed as the
+    module docstring says, each template config on its own and autotuned."""
+    from kopt.codegen.gemm import QuantOut, _blockwise_configs
+    from kopt.codegen.kernels.fp8_blockwise import quant_fp8_block128_reference
+    from kopt.codegen.kernels.quant_fp8 import quant_fp8_group_reference
+
+    def inputs() -> BlockInputs:
+        x = torch.randn(c.m, c.k, device="cuda", dtype=BF16, generator=g)
+        w = torch.randn(c.n, c.k, device="cuda", dtype=BF16, generator=g) / c.k**0.5
+        bias = torch.randn(c.n, device="cuda", dtype=BF16, generator=g) if c.bias else None
+        return BlockInputs(*quant_fp8_group_reference(x), *quant_fp8_block128_reference(w),
+                           bias)
+
+    sets = [inputs() for _ in range(n_sets(c))]
+    lib = lambda s: torch.ops.kopt.fp8_blockwise_mm(s.a, s.sa, s.w, s.sw, BF16)
+    ours = lambda s: torch.ops.kopt.fp8_blockwise_gemm(s.a, s.sa, s.w, s.sw, None, BF16)
+    flop = 2 * c.m * c.n * c.k
+    row: dict = {**asdict(c), "input_sets": len(sets), "cublas_ms": time_ms(lib, sets, True),
+                 "kopt_ms": time_ms(ours, sets, True)}
+    row["cublas_tflops"] = flop / (row["cublas_ms"] * 1e-3) / 1e12
+    row["kopt_tflops"] = flop / (row["kopt_ms"] * 1e-3) / 1e12
+    row["kopt_over_cublas"] = row["kopt_ms"] / row["cublas_ms"]
+    s = sets[0]
+    exact = gemm_reference(s.a, s.w.t(), s.sa, s.sw, None, None, None, blockwise=True,
+                           upcast=True)
+    row["kopt_err"] = relative_error(ours(s), exact)
+    row["cublas_err"] = relative_error(lib(s), exact)
+    timed = []
+    for cfg in _blockwise_configs(m_bucket_of(c.m), False):
+        run = lambda s, cfg=cfg: gemm(s.a, s.w.t(), s.sa, s.sw, blockwise=True, configs=[cfg])
+        try:
+            timed.append({"config": str(cfg), "ms": time_ms(run, sets, True)})
+        except Exception as e:  # noqa: BLE001 -- a config the compiler refuses: recorded
+            timed.append({"config": str(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
+    row["configs"] = sorted(timed, key=lambda t: t.get("ms", float("inf")))
+    if c.epilogue == "gelu":
+        act = "gelu_tanh:fast"
+        unfused_aq = lambda s: torch.ops.kopt.act_quant_fp8_group(lib(s), None, act, s.bias,
+                                                                   None, True)
+        fused = lambda s: torch.ops.kopt.fp8_blockwise_gemm_act_quant(s.a, s.sa, s.w, s.sw,
+                                                                      s.bias, act, BF16)
+        y0 = lib(s)  # act + quant alone, on one GEMM output
+        row["act_quant_ms"] = time_ms(
+            lambda s: torch.ops.kopt.act_quant_fp8_group(y0, None, act, s.bias, None, True),
+            sets[:1], True)
+        del y0
+        row["unfused_ms"] = time_ms(unfused_aq, sets, True)
+        row["fused_ms"] = time_ms(fused, sets, True)
+        row["unfused_over_fused"] = row["unfused_ms"] / row["fused_ms"]
+        # given the template's own GEMM output, the fused quantization is act + quant's
+        y = gemm(s.a, s.w.t(), s.sa, s.sw, blockwise=True)
+        q_ref, s_ref = torch.ops.kopt.act_quant_fp8_group(y, None, act, s.bias, None, True)
+        q, qs = gemm(s.a, s.w.t(), s.sa, s.sw, blockwise=True, quant=QuantOut(act),
+                     quant_bias=s.bias)
+        row["fused_q_equal"] = bool(torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)))
+        row["fused_scale_equal"] = bool(torch.equal(qs, s_ref))
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def m_bucket_of(m: int) -> int:
+    from kopt.codegen.gemm import m_bucket
+
+    return m_bucket(m)
+
+
+def print_blockwise(rows: list[dict]) -> None:
+    print(f"\n{'blockwise case':<26} {'cuBLAS us':>9} {'kopt us':>8} {'ratio':>6} "
+          f"{'TF cuBLAS/kopt':>15} {'err k/c':>17}  best config")
+    for r in rows:
+        best = r["configs"][0]
+        print(f"{r['workload'] + ' ' + r['name']:<26} {r['cublas_ms'] * 1e3:9.1f} "
+              f"{r['kopt_ms'] * 1e3:8.1f} {r['kopt_over_cublas']:6.3f} "
+              f"{r['cublas_tflops']:7.0f}/{r['kopt_tflops']:<7.0f} "
+              f"{r['kopt_err']:.1e}/{r['cublas_err']:.1e}  {best.get('ms', 0) * 1e3:.1f} "
+              f"{best['config']}")
+    for r in rows:
+        if "fused_ms" in r:
+            print(f"{r['workload'] + ' ' + r['name']}: GEMM + act + quant fused "
+                  f"{r['fused_ms'] * 1e3:.1f} us, cuBLAS + act_quant_fp8_group "
+                  f"{r['unfused_ms'] * 1e3:.1f} us (act + quant alone "
+                  f"{r['act_quant_ms'] * 1e3:.1f}): {r['unfused_over_fused']:.3f}x; q equal "
+                  f"{r['fused_q_equal']}, scales equal {r['fused_scale_equal']}")
+
+
 def print_sweep(rows: list[dict], top: int = 4) -> None:
     for r in rows:
         print(f"\n{r['workload']} {r['name']} ({r['m']} x {r['n']} x {r['k']}): _scaled_mm "
@@ -332,6 +435,8 @@ def main() -> None:
                    help="also FP8 with per-K-tile fp32 promotion (fp8_fast_accum=False)")
     p.add_argument("--no-epilogues", dest="epilogues", action="store_false",
                    help="time the plain GEMM only (no fused-epilogue columns)")
+    p.add_argument("--blockwise", action="store_true",
+                   help="the blockwise recipe's GEMM and its act + quant epilogue instead")
     p.add_argument("--sweep", action="store_true",
                    help="time the plain FP8 GEMM at every candidate tile config instead "
                         "(no autotuning; the epilogue columns are skipped)")
@@ -343,8 +448,11 @@ def main() -> None:
     rows = []
     for c in cases:
         print(f"{c.workload} {c.name} ({c.m} x {c.n} x {c.k}, {c.epilogue}) ...", flush=True)
-        rows.append(sweep_case(c, g) if args.sweep else bench_case(c, args, g))
-    (print_sweep if args.sweep else print_table)(rows)
+        if args.blockwise and c.m == 1:
+            continue  # (cuBLAS's blockwise GEMM pads M to 16 rows)
+        rows.append(blockwise_case(c, g) if args.blockwise else
+                    sweep_case(c, g) if args.sweep else bench_case(c, args, g))
+    (print_blockwise if args.blockwise else print_sweep if args.sweep else print_table)(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -66,7 +66,13 @@ from kopt.kb import tuning as kb_tuning
 log = logging.getLogger("kopt")
 
 E4M3 = torch.float8_e4m3fn
+# blockwise FP8: a's scales per 1x128 group, b's per 128x128 block; a quantized output's per
+# 1x128 group (kopt.codegen.kernels.fp8_blockwise)
+BLOCK = 128
 ACTIVATIONS = ("none", "gelu_tanh", "silu")
+# activations of a quantized output: act + quant's (kopt.codegen.kernels.act_quant), those of
+# one input (SwiGLU's two halves lie in other column tiles)
+QUANT_ACTIVATIONS = ("gelu_tanh", "gelu_erf", "gelu_tanh:fast")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # FP8 rows must be 16-byte aligned for TMA; torch._scaled_mm has the same rule.
@@ -159,6 +165,9 @@ _TEMPLATE = '''\
 import triton
 import triton.language as tl
 
+from kopt.codegen.kernels.act_quant import act_values
+from kopt.codegen.kernels.act_quant_group import group_quant_tile
+
 
 @triton.jit
 def _round(x, OUT_TY: tl.constexpr):
@@ -214,20 +223,35 @@ def _split_k_sum(acc, ws_ptr, lock_ptr, tile, split, mask_m, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _block_scaled_step(acc, part, scale_a_ptr, scale_b_ptr, sa_off, sb_off, k, stride_sak,
+                       stride_sbk):
+    # One K step of the blockwise product: this step's fp32 tile ``part`` times its scales
+    # (a's per row, b's one per tile) added to ``acc``, as one written-out fma (the same with
+    # or without the compiler's contraction, which a quantized output's launch turns off).
+    # (Scaling the previous step's product instead, to overlap it with this step's MMA, was
+    # 12-17% slower at W1's shapes on the H200: triton 3.6 waits for each wgmma anyway.)
+    s = tl.load(scale_a_ptr + sa_off + k * stride_sak) * tl.load(scale_b_ptr + sb_off
+                                                                 + k * stride_sbk)
+    return tl.fma(part, s[:, None], acc)
+
+
+@triton.jit
 def gemm_kernel(
     a_ptr, b_ptr, a_desc, b_desc, out_ptr,
-    scale_a_ptr, scale_b_ptr, bias_ptr, gate_ptr, res_ptr, ws_ptr, lock_ptr,
+    scale_a_ptr, scale_b_ptr, bias_ptr, gate_ptr, res_ptr, ws_ptr, lock_ptr, qs_ptr, qbias_ptr,
     #@EXTRA_PARAMS@
     M, N, K, M_BUCKET, NUM_PROGRAMS,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om,
-    stride_sa, stride_sb, stride_gm, gate_group, stride_rm,
+    stride_sa, stride_sb, stride_sak, stride_sbk, stride_gm, gate_group, stride_rm,
+    stride_qsm, stride_qsg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, PRECISE_ACC: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_SCALES: tl.constexpr, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, QUANT_ACT: tl.constexpr, HAS_QBIAS: tl.constexpr,
+    OUT_TY: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    OUT_TY: tl.constexpr = out_ptr.dtype.element_ty
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -263,6 +287,12 @@ _TILE = '''\
         split = tl.program_id(0) % SPLIT_K
         k_lo = split * tl.cdiv(k_tiles, SPLIT_K)
         k_hi = tl.minimum(k_lo + tl.cdiv(k_tiles, SPLIT_K), k_tiles)
+    if BLOCKWISE:
+        # a's scale per row and 128 of K (its 1x128 groups), b's per 128 columns and 128 of K
+        # (its 128x128 blocks: BLOCK_N == BLOCK_K == 128, one value per K step); rows past M
+        # read the last row's scales (their results are masked at the store)
+        sa_off = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1).to(tl.int64) * stride_sa
+        sb_off = pid_n.to(tl.int64) * stride_sb
     if USE_TMA:
         # a_desc: [M, K] tiles [BLOCK_M, BLOCK_K]; b_desc: b.t() = [N, K] tiles [BLOCK_N, BLOCK_K]
         # (K-major, what fp8 wgmma reads); out-of-bounds boxes are zero-filled
@@ -272,7 +302,10 @@ _TILE = '''\
             if DOT_IN_FP32:  # the interpreter multiplies bf16 tiles as integers
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if PRECISE_ACC:  # fp8: add each K tile's product into the fp32 accumulator
+            if BLOCKWISE:
+                acc = _block_scaled_step(acc, tl.dot(a, b.T), scale_a_ptr, scale_b_ptr, sa_off,
+                                         sb_off, k, stride_sak, stride_sbk)
+            elif PRECISE_ACC:  # fp8: add each K tile's product into the fp32 accumulator
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, b.T, acc)
@@ -293,7 +326,10 @@ _TILE = '''\
             if DOT_IN_FP32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if PRECISE_ACC:
+            if BLOCKWISE:
+                acc = _block_scaled_step(acc, tl.dot(a, b), scale_a_ptr, scale_b_ptr, sa_off,
+                                         sb_off, k, stride_sak, stride_sbk)
+            elif PRECISE_ACC:
                 acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, b, acc)
@@ -315,10 +351,15 @@ _TILE = '''\
     if HAS_SCALES:
         sa = tl.load(scale_a_ptr + rows * stride_sa, mask=mask_m, other=0.0)
         sb = tl.load(scale_b_ptr + offs_n * stride_sb, mask=mask_n, other=0.0)
-        acc = acc * sa[:, None] * sb[None, :]
+        acc = acc * sa[:, None]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
+        if HAS_SCALES:  # the scale multiply and the bias add as one fma, written out
+            acc = tl.fma(acc, sb[None, :], bias[None, :])
+        else:
+            acc = acc + bias[None, :]
+    elif HAS_SCALES:
+        acc = acc * sb[None, :]
     y = _round(acc, OUT_TY)
     if ACTIVATION == 1:
         y = _round(_gelu_tanh(y), OUT_TY)
@@ -333,7 +374,23 @@ _TILE = '''\
         y = _round(r.to(tl.float32) + y, OUT_TY)
     #@EXTRA_LOADS@
     #@EPILOGUE@
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], y.to(OUT_TY), mask=mask)
+    if QUANT_OUT:
+        # the output as the next GEMM's operand: (bias +) activation + FP8 e4m3 per 1x128
+        # group (BLOCK_N a multiple of 128: whole groups per tile), exactly the computation of
+        # kopt::act_quant_fp8_group on the rounded GEMM output
+        if HAS_QBIAS:
+            qb = tl.load(qbias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            y = _round(y + qb[None, :], OUT_TY)
+        if QUANT_ACT >= 0:
+            y = act_values(y, y, OUT_TY, QUANT_ACT, NATIVE)
+        bits, q_scale = group_quant_tile(tl.where(mask, y, 0.0), BLOCK_M, BLOCK_N, QUANT_ACT >= 3,
+                                         NATIVE)
+        tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], bits, mask=mask)
+        groups = off_n // 128 + tl.arange(0, BLOCK_N // 128)
+        tl.store(qs_ptr + rows[:, None] * stride_qsm + groups.to(tl.int64)[None, :] * stride_qsg,
+                 q_scale, mask=mask_m[:, None] & (groups < tl.cdiv(N, 128))[None, :])
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], y.to(OUT_TY), mask=mask)
 '''
 
 _LOADS = {
@@ -408,8 +465,8 @@ def render_kernel_source(epilogue: GemmEpilogue | None = None) -> str:
 
 _ACT_CODE = {"none": 0, "gelu_tanh": 1, "silu": 2}
 # the autotune key: one tuned config per (M bucket, N, K, epilogue) and operand dtypes
-_TUNING_KEY = ["M_BUCKET", "N", "K", "USE_TMA", "PRECISE_ACC", "HAS_BIAS", "ACTIVATION",
-               "HAS_GATE", "HAS_RESIDUAL"]
+_TUNING_KEY = ["M_BUCKET", "N", "K", "USE_TMA", "PRECISE_ACC", "BLOCKWISE", "HAS_BIAS",
+               "ACTIVATION", "HAS_GATE", "HAS_RESIDUAL", "QUANT_OUT", "QUANT_ACT", "HAS_QBIAS"]
 
 
 def m_bucket(m: int) -> int:
@@ -436,7 +493,8 @@ def gemm_config(bm: int, bn: int, bk: int, group: int = 8, stages: int = 3,
                          num_stages=stages, num_warps=warps, pre_hook=_set_block_shapes)
 
 
-def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False) -> list:
+def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False, *,
+                 blockwise: bool = False, quant_out: bool = False) -> list:
     """Hopper (sm_90) tile configs for one (M bucket, N, K).
 
     BLOCK_K is 128 bytes of K (128 fp8, 64 bf16): one TMA box row per tile row with the widest
@@ -449,9 +507,23 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False) -
     The lists keep what a sweep of 30 configs on the W1/W2 shapes found within a few percent of
     the best on each (``python -m benchmarks.kernels_gemm --sweep``, benchmarks/RESULTS.md,
     session 13). The interpreter gets one small tile, so awkward shapes exercise every mask
-    quickly."""
+    quickly.
+
+    ``blockwise`` (1x128 x 128x128 scales, applied at each K step): 128-wide column tiles and
+    K steps, one scale of b per step, and the step's product held beside the accumulator
+    (twice the registers: no 128x256 tiles, and 128 rows take two warpgroups). On the H200 at
+    W1's shapes the two 128-row tiles were within 2% of each other, and 64 rows won on the
+    128-row text GEMM with the long K (48.5 us against 62.8); 128 rows on one warpgroup were
+    2-8x slower (benchmarks/RESULTS.md, session 24). The GEMV tiles (M <= 64) are not measured.
+    ``quant_out`` (1x128 groups of the output quantized in the epilogue): column tiles of whole
+    groups."""
+    if blockwise:
+        return _blockwise_configs(m, interpreted)
     if interpreted:
-        return [gemm_config(16, 32, 32, 2, 1, 4)]
+        return [gemm_config(16, 128 if quant_out else 32, 32, 2, 1, 4)]
+    if quant_out:
+        return [c for c in gemm_configs(m, n, k, fp8) if c.kwargs["BLOCK_N"] % BLOCK == 0
+                and c.kwargs["SPLIT_K"] == 1]
     bk = 128 if fp8 else 64
     if m <= 64:
         # split-K where the column tiles leave SMs idle over a long K (an LLM's decode down
@@ -471,6 +543,16 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False) -
             gemm_config(128, 256, bk, 8, 3, 8), gemm_config(128, 256, bk, 8, 4, 8),
             gemm_config(256, 128, bk, 8, 4, 8, persistent=True),
             gemm_config(128, 256, bk // 2, 8, 5, 8, persistent=True)]
+
+
+def _blockwise_configs(m: int, interpreted: bool) -> list:
+    if interpreted:
+        return [gemm_config(16, BLOCK, BLOCK, 2, 1, 4)]
+    if m <= 64:
+        return [gemm_config(64, BLOCK, BLOCK, 1, s, 4) for s in (4, 6)]
+    return [gemm_config(128, BLOCK, BLOCK, 8, 4, 8),
+            gemm_config(128, BLOCK, BLOCK, 8, 4, 8, persistent=True),
+            gemm_config(64, BLOCK, BLOCK, 8, 5, 4)]
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -507,6 +589,11 @@ def _tuning_key(module: ModuleType, a: torch.Tensor, bias: torch.Tensor | None, 
     flags = [f"m={m_bucket(p.m)} n={p.n} k={p.k} tma={use_tma:d} precise={precise:d}",
              f"bias={'none' if bias is None else str(bias.dtype).removeprefix('torch.')}",
              f"act={activation} gate={p.gate is not None:d} res={p.residual is not None:d}"]
+    if p.blockwise:
+        flags.append("scales=blockwise")
+    if p.quant is not None:
+        flags.append(f"quant=group{BLOCK} qact={p.quant.activation} "
+                     f"qbias={p.quant_bias is not None:d}")
     dtypes = [a.dtype, out_dtype, *(t.dtype for t in p.extra)]
     return kb_tuning.TuningKey("gemm_fp8" if p.fp8 else "gemm_bf16",
                                module.__name__.rsplit("_", 1)[-1], " ".join(flags),
@@ -537,6 +624,23 @@ def tuned_configs() -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class QuantOut:
+    """The GEMM's output written as the next blockwise GEMM's operand: ``y`` (the output in
+    ``out_dtype``, every fixed and generated epilogue step applied) then, as
+    ``kopt::act_quant_fp8_group`` computes it from ``y``::
+
+        x     = rnd(y + bias)                     (optional ``quant_bias``, out_dtype)
+        a     = act(x)                            (optional; QUANT_ACTIVATIONS)
+        q, s  = e4m3 per 1x128 group of a         (q [M, N] e4m3, s [M, N/128] fp32, strides
+                                                   (1, M): kopt::quant_fp8_group's layout)
+
+    A group's scale is its own 128 values': tile-local, unlike a per-token scale (the amax of a
+    whole row, over every column tile)."""
+
+    activation: str | None = None
+
+
+@dataclass(frozen=True)
 class _Problem:
     m: int
     n: int
@@ -545,6 +649,9 @@ class _Problem:
     gate: torch.Tensor | None  # [G, N], last dim contiguous
     residual: torch.Tensor | None  # [M, N], last dim contiguous
     extra: tuple[torch.Tensor, ...]  # normalised as the operand kinds say
+    blockwise: bool = False
+    quant: QuantOut | None = None
+    quant_bias: torch.Tensor | None = None
 
 
 def _fail(op: str, msg: str) -> None:
@@ -563,7 +670,8 @@ def _check(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | No
            scale_b: torch.Tensor | None, bias: torch.Tensor | None, gate: torch.Tensor | None,
            residual: torch.Tensor | None, activation: str, out_dtype: torch.dtype,
            fp8: bool, epilogue: GemmEpilogue | None = None,
-           extra: Sequence[torch.Tensor] = ()) -> _Problem:
+           extra: Sequence[torch.Tensor] = (), blockwise: bool = False,
+           quant: QuantOut | None = None, quant_bias: torch.Tensor | None = None) -> _Problem:
     if a.dim() != 2 or b.dim() != 2:
         _fail(op, f"a and b must be 2-D ([M, K] and [K, N]); got {list(a.shape)} and "
                   f"{list(b.shape)}")
@@ -587,12 +695,20 @@ def _check(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | No
         if b.stride(0) != 1:
             _fail(op, f"b must be column-major [K, N], the .t() view of a row-major [N, K] weight "
                       f"(stride(0) == 1); got strides {b.stride()}")
+        kb = -(-k // BLOCK)
         for name, s, length in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
             if s is None:
                 _fail(op, f"{name} is required")
             if s.dtype != torch.float32:
                 _fail(op, f"{name} must be float32; got {s.dtype}")
-            if s.numel() not in (1, length):
+            if blockwise:
+                want = (m, kb) if name == "scale_a" else (-(-n // BLOCK), kb)
+                if tuple(s.shape) != want:
+                    what = "1x128 groups of a" if name == "scale_a" else \
+                        "128x128 blocks of b.t()"
+                    _fail(op, f"{name} has shape {list(s.shape)}; blockwise scales are "
+                              f"{list(want)} ({what})")
+            elif s.numel() not in (1, length):
                 _fail(op, f"{name} has shape {list(s.shape)}; expected {length} values "
                           "(rowwise) or one (tensorwise)")
             if s.device != a.device:
@@ -603,6 +719,8 @@ def _check(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | No
                       f"{b.dtype}")
         if scale_a is not None or scale_b is not None:
             _fail(op, "a 16-bit GEMM takes no scales")
+        if blockwise:
+            _fail(op, "blockwise scales are for FP8 operands")
     if out_dtype not in OUT_DTYPES:
         _fail(op, f"out_dtype must be one of {OUT_DTYPES}; got {out_dtype}")
     if activation not in ACTIVATIONS:
@@ -647,7 +765,24 @@ def _check(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | No
         if o.kind == "group" and (t.shape[0] == 0 or m % t.shape[0]):
             _fail(op, f"epilogue operand {o.name}: {t.shape[0]} rows do not divide M = {m}")
         norm.append(t)
-    return _Problem(m, n, k, fp8, g, r, tuple(norm))
+    if quant is None:
+        if quant_bias is not None:
+            _fail(op, "quant_bias without a quantized output")
+    else:
+        if quant.activation is not None and quant.activation not in QUANT_ACTIVATIONS:
+            _fail(op, f"a quantized output's activation must be one of {QUANT_ACTIVATIONS} "
+                      f"(SwiGLU's halves lie in other column tiles); got {quant.activation!r}")
+        if out_dtype not in HALF_DTYPES:
+            _fail(op, f"a quantized output rounds its steps to bf16 or fp16; got {out_dtype}")
+        if activation != "none":
+            _fail(op, "a quantized output takes its activation from QuantOut (act + quant's "
+                      f"math), not activation={activation!r}")
+        if quant_bias is not None and (quant_bias.shape != (n,) or quant_bias.dtype != out_dtype
+                                       or quant_bias.device != a.device):
+            _fail(op, f"quant_bias must be one {out_dtype} vector of the N = {n} columns on "
+                      f"{a.device}; got {quant_bias.dtype}{list(quant_bias.shape)} on "
+                      f"{quant_bias.device}")
+    return _Problem(m, n, k, fp8, g, r, tuple(norm), blockwise, quant, quant_bias)
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,6 +796,9 @@ def _library_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None
     bias)`` (rowwise or tensorwise scales; CUDA: bf16 out), else None."""
     if bias is not None and bias.dtype != out_dtype:
         return None
+    if p.blockwise:  # kopt's op for the library's blockwise GEMM (exact emulation on the CPU)
+        return None if bias is not None else torch.ops.kopt.fp8_blockwise_mm(
+            a, scale_a, b.t(), scale_b, out_dtype)
     m, n = p.m, p.n
     # CUDA's rowwise kernel writes bf16 only; the CPU one any float dtype (and is what an
     # unfused graph runs there, so the CPU path of a fused op equals the unfused graph)
@@ -690,6 +828,13 @@ def _gemm_rounded(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None
         y = _library_gemm(a, b, scale_a, scale_b, bias, out_dtype, p)
         if y is not None:
             return y
+    if p.blockwise:
+        from kopt.codegen.kernels.fp8_blockwise import blockwise_mm_exact
+
+        acc = blockwise_mm_exact(a, scale_a, b.t(), scale_b)
+        if bias is not None:
+            acc = acc + bias.to(acc.dtype)
+        return acc if upcast else acc.float().to(out_dtype)
     acc = a.to(torch.float64) @ b.to(torch.float64)
     if not upcast:
         acc = acc.float()
@@ -716,15 +861,19 @@ def gemm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | Non
                    activation: str = "none", out_dtype: torch.dtype = torch.bfloat16, *,
                    epilogue: GemmEpilogue | None = None, extra: Sequence[torch.Tensor] = (),
                    epilogue_reference: EpilogueReference | None = None,
-                   fp8: bool | None = None, upcast: bool = False) -> torch.Tensor:
+                   fp8: bool | None = None, upcast: bool = False, blockwise: bool = False,
+                   quant: QuantOut | None = None, quant_bias: torch.Tensor | None = None,
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The unfused computation in eager PyTorch: ``torch._scaled_mm`` (CUDA, bf16 out) /
-    ``torch.mm`` / an exact emulation, then the epilogue ops in the kernel's order. FP8 when
-    ``fp8`` (default: when ``a`` is e4m3), else 16-bit (no scales). ``upcast``: the same
-    function in fp64 without any rounding (the yardstick for tolerance checks); float64 out."""
+    ``kopt::fp8_blockwise_mm`` (``blockwise`` scales) / ``torch.mm`` / an exact emulation, then
+    the epilogue ops in the kernel's order, and with ``quant`` the activation + quantization
+    ops (:class:`QuantOut`): ``(q, scale)``. FP8 when ``fp8`` (default: when ``a`` is e4m3),
+    else 16-bit (no scales). ``upcast``: the same function in fp64 without any rounding (the
+    yardstick for tolerance checks; the quantizer as its fp64 reference applies it)."""
     fp8 = a.dtype == E4M3 if fp8 is None else fp8
     op = "kopt::fp8_gemm" if fp8 else "kopt::bf16_gemm"
     p = _check(op, a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8,
-               epilogue, extra)
+               epilogue, extra, blockwise, quant, quant_bias)
     y = _gemm_rounded(a, b, scale_a, scale_b, bias, out_dtype, p, upcast)
     up = (lambda t: t.to(torch.float64)) if upcast else (lambda t: t)
     if activation == "gelu_tanh":
@@ -742,7 +891,22 @@ def gemm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | Non
         ops = [up(_broadcast_extra(o, t, p.m, p.n)) for o, t in zip(epilogue.operands, p.extra,
                                                                     strict=True)]
         y = epilogue_reference(y, *ops).to(y.dtype)
+    if quant is not None:
+        return quant_reference(y, quant, None if quant_bias is None else up(quant_bias))
     return y
+
+
+def quant_reference(y: torch.Tensor, quant: QuantOut, bias: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`QuantOut`'s steps on the GEMM's output ``y`` as the unfused ops compute them:
+    ``kopt::act_quant_fp8_group``'s reference, or with no activation the bias add and
+    ``kopt::quant_fp8_group``'s."""
+    from kopt.codegen.kernels.act_quant_group import act_quant_group_reference
+    from kopt.codegen.kernels.quant_fp8 import quant_fp8_group_reference
+
+    if quant.activation is not None:
+        return act_quant_group_reference(y, None, quant.activation, bias)
+    return quant_fp8_group_reference(y if bias is None else y + bias)
 
 
 # --------------------------------------------------------------------------------------------
@@ -752,6 +916,14 @@ def gemm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | Non
 @functools.cache
 def _kernel_module(epilogue: GemmEpilogue | None, cache_dir: Path | None) -> ModuleType:
     return load_generated_module(render_kernel_source(epilogue), "gemm", cache_dir)
+
+
+def _triton_type(dtype: torch.dtype):  # noqa: ANN202
+    """The template's ``OUT_TY``: the dtype its epilogue rounds to (and stores, unquantized)."""
+    import triton.language as tl
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+            torch.float32: tl.float32}[dtype]
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -857,13 +1029,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
          epilogue: GemmEpilogue | None = None, extra: Sequence[torch.Tensor] = (),
          use_tma: bool | None = None, fp8_fast_accum: bool = True,
          configs: list | None = None, cache_dir: Path | None = None,
-         fp8: bool | None = None) -> torch.Tensor:
+         fp8: bool | None = None, blockwise: bool = False, quant: QuantOut | None = None,
+         quant_bias: torch.Tensor | None = None,
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton GEMM (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 
     ``use_tma``: None picks TMA descriptors on sm_90+ when the operands allow them (row-major
     ``a``, K-major ``b``, 16-byte aligned), pointer loads otherwise (and on CPU); True forces
     TMA (the interpreter of triton >= 3.4 runs it too). ``configs`` overrides the autotune
-    list (tests). ``fp8`` as in :func:`gemm_reference`.
+    list (tests). ``fp8``, ``blockwise``, ``quant`` and ``quant_bias`` as in
+    :func:`gemm_reference`: with ``quant`` the result is ``(q, scale)``.
 
     The checks, the config list, the autotuner and the kernel's scalar arguments depend only on
     the operands' shapes, strides, dtypes, device and alignment and on the options: they are
@@ -873,27 +1048,35 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
     without Triton's autotuner and JIT dispatch."""
     fp8 = a.dtype == E4M3 if fp8 is None else fp8
     op = "kopt::fp8_gemm" if fp8 else "kopt::bf16_gemm"
-    tensors = (scale_a, scale_b, bias, gate, residual)
+    tensors = (scale_a, scale_b, bias, gate, residual, quant_bias)
     key = None
     launch = None
     if configs is None and kb_tuning.active() is None:
         key = _launch_key(a, b, tensors, extra, activation, out_dtype, epilogue, use_tma,
-                          fp8_fast_accum, fp8, cache_dir)
+                          fp8_fast_accum, fp8, cache_dir, blockwise, quant)
         launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _plan_launch(op, a, b, scale_a, scale_b, bias, gate, residual, activation,
                               out_dtype, epilogue, extra, use_tma, fp8_fast_accum, configs,
-                              cache_dir, fp8)
+                              cache_dir, fp8, blockwise, quant, quant_bias)
         if key is not None:
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
                 _LAUNCHES.pop(next(iter(_LAUNCHES)), None)
             _LAUNCHES[key] = launch
     m, n = launch.m, launch.n
     if launch.library:
-        return _library_call(a, b, scale_a, scale_b, bias, out_dtype, m, n)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        return _library_call(a, b, scale_a, scale_b, bias, out_dtype, m, n, blockwise)
+    if quant is not None:
+        from kopt.codegen.kernels.quant_fp8 import group_scale_empty
+
+        q = torch.empty((m, n), dtype=E4M3, device=a.device)
+        q_scale = group_scale_empty(m, n, a.device)
+        out, result = q.view(torch.uint8), (q, q_scale)
+    else:
+        out = result = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        q_scale = out  # never read: QUANT_OUT is off
     if m == 0:
-        return out
+        return result
     direct = launch.direct
     if launch.use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -906,8 +1089,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
     else:
         a_desc = b_desc = None
     dummy = out  # a pointer for absent operands: never read (their flags are off)
-    sa = scale_a.reshape(-1) if scale_a is not None else dummy
-    sb = scale_b.reshape(-1) if scale_b is not None else dummy
+    if blockwise:  # 2-D, read through their strides
+        sa, sb = scale_a, scale_b
+    else:
+        sa = scale_a.reshape(-1) if scale_a is not None else dummy
+        sb = scale_b.reshape(-1) if scale_b is not None else dummy
     g = _rows(gate, n, "gate", op) if gate is not None else dummy
     r = _rows(residual, n, "residual", op) if residual is not None else dummy
     extra_args: list[Any] = []
@@ -917,29 +1103,31 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
                        m // v.shape[0] if o.kind == "group" else 1]
     ws, lock = launch.workspace(a.device) if launch.split_tiles else (dummy, dummy)
     args = [a, b, a_desc, b_desc, out, sa, sb, bias if bias is not None else dummy, g, r, ws,
-            lock, *extra_args, *launch.scalars]
+            lock, q_scale, quant_bias if quant_bias is not None else dummy, *extra_args,
+            *launch.scalars]
     if direct is not None and a.device.index == torch.cuda.current_device():
         direct(args)  # entering torch.cuda.device costs microseconds: only where needed
-        return out
+        return result
     ctx = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
     with ctx:
         if direct is not None:
             direct(args)
-            return out
+            return result
         compiled = launch.kernel[launch.grid](*args, **launch.flags)
         if key is not None and a.is_cuda and not torch.cuda.is_current_stream_capturing():
             launch.direct = _direct_launch(launch, compiled, args)
             if launch.direct is not None and launch.library_form and LIBRARY_CHOICE:
                 launch.library = _library_faster(launch, args, lambda: _library_call(
-                    a, b, scale_a, scale_b, bias, out_dtype, m, n))
+                    a, b, scale_a, scale_b, bias, out_dtype, m, n, blockwise))
     if launch.tuning is not None:
         kb_tuning.record_winner(launch.tuning, launch.kernel)
-    return out
+    return result
 
 
 # Whether a launch key whose call cuBLAS also computes (see ``_library_form``) times the two
 # once and keeps the faster (the extern-kernel choice of Inductor's max-autotune): the
-# template loses to cuBLAS at a few shapes (W1's 128-row text QKV, 1.04-1.05x its time).
+# template loses to cuBLAS at a few shapes (W1's 128-row text QKV, 1.04-1.05x its time), and
+# its blockwise GEMM at every W1 shape (1.36-1.74x; RESULTS.md session 24).
 LIBRARY_CHOICE = True
 
 
@@ -947,19 +1135,26 @@ def _library_form(p: _Problem, scale_a: torch.Tensor | None, scale_b: torch.Tens
                   bias: torch.Tensor | None, activation: str, out_dtype: torch.dtype,
                   epilogue: GemmEpilogue | None) -> bool:
     """Whether ``torch._scaled_mm`` computes this call: FP8 with rowwise or tensorwise scales,
-    no epilogue beyond a bias of the output dtype, bf16 out (its rowwise kernel's only one)."""
-    return (p.fp8 and activation == "none" and p.gate is None and p.residual is None
-            and not p.extra and (epilogue is None or not epilogue.lines)
-            and out_dtype == torch.bfloat16 and (bias is None or bias.dtype == out_dtype)
-            and p.n % 16 == 0
+    no epilogue beyond a bias of the output dtype, bf16 out (its rowwise kernel's only one);
+    or ``kopt::fp8_blockwise_mm`` (cuBLAS's blockwise GEMM): blockwise scales, no epilogue, K
+    a multiple of 512 (its scales' padding)."""
+    plain = (p.fp8 and p.quant is None and activation == "none" and p.gate is None
+             and p.residual is None and not p.extra and (epilogue is None or not epilogue.lines)
+             and out_dtype == torch.bfloat16)
+    if p.blockwise:
+        return plain and bias is None and p.k % 512 == 0
+    return (plain and (bias is None or bias.dtype == out_dtype) and p.n % 16 == 0
             and ((scale_a.numel() == p.m and scale_b.numel() == p.n)
                  or (scale_a.numel() == 1 and scale_b.numel() == 1)))
 
 
 def _library_call(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                   scale_b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                  m: int, n: int) -> torch.Tensor:
-    """The call as ``torch._scaled_mm`` (a call :func:`_library_form` accepts)."""
+                  m: int, n: int, blockwise: bool = False) -> torch.Tensor:
+    """The call as ``torch._scaled_mm`` or ``kopt::fp8_blockwise_mm`` (a call
+    :func:`_library_form` accepts)."""
+    if blockwise:
+        return torch.ops.kopt.fp8_blockwise_mm(a, scale_a, b.t(), scale_b, out_dtype)
     if scale_a.numel() == m and scale_b.numel() == n:
         sa, sb = scale_a.reshape(m, 1), scale_b.reshape(1, n)
     else:
@@ -1007,13 +1202,16 @@ def _direct_launch(launch: _Launch, compiled: Any, args: list[Any]) -> _Direct |
                          tuple(values[name] for name in names[len(args):]))
         again = list(args)
         again[4] = torch.empty_like(args[4])
+        quant = bool(launch.flags.get("QUANT_OUT"))
+        if quant:  # the quantized output's scales too, in their column-major layout
+            again[12] = torch.empty_like(args[12].t()).t()
         if args[2] is not None:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             again[2] = TensorDescriptor.from_tensor(args[0], box_a)
             again[3] = TensorDescriptor.from_tensor(args[1].t(), box_b)
         direct(again)
-        if torch.equal(again[4], args[4]):
+        if torch.equal(again[4], args[4]) and (not quant or torch.equal(again[12], args[12])):
             return direct
         log.warning("kopt's GEMM (%s x %s): launching the tuned kernel directly gave other "
                     "values than Triton's launch; this launch keeps Triton's path", launch.m,
@@ -1029,12 +1227,16 @@ def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
                  gate: torch.Tensor | None, residual: torch.Tensor | None, activation: str,
                  out_dtype: torch.dtype, epilogue: GemmEpilogue | None,
                  extra: Sequence[torch.Tensor], use_tma: bool | None, fp8_fast_accum: bool,
-                 configs: list | None, cache_dir: Path | None, fp8: bool) -> _Launch:
+                 configs: list | None, cache_dir: Path | None, fp8: bool,
+                 blockwise: bool = False, quant: QuantOut | None = None,
+                 quant_bias: torch.Tensor | None = None) -> _Launch:
     """Check a call and work out its launch (see :func:`gemm`)."""
     import triton
 
+    from kopt.codegen.kernels.act_quant import ACT_CODES
+
     p = _check(op, a, b, scale_a, scale_b, bias, gate, residual, activation, out_dtype, fp8,
-               epilogue, extra)
+               epilogue, extra, blockwise, quant, quant_bias)
     m, n, k = p.m, p.n, p.k
     if m == 0:
         return _Launch(m, n, False, None, None, lambda meta: (0,), (), {})
@@ -1050,11 +1252,17 @@ def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
                   "under TRITON_INTERPRET=1); the custom op runs the reference there")
     tuning = None
     if configs is None:
-        configs = gemm_configs(m_bucket(m), n, k, fp8, interpreted=not a.is_cuda)
+        configs = gemm_configs(m_bucket(m), n, k, fp8, interpreted=not a.is_cuda,
+                               blockwise=blockwise, quant_out=quant is not None)
         # start from the knowledge base's winner for this key, if it has one
         tuning = _tuning_key(module, a, bias, p, activation, out_dtype, use_tma,
                              fp8 and not fp8_fast_accum)
         configs = kb_tuning.configs_for(tuning, configs, _config_from_params)
+    for c in configs:
+        bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        if (blockwise and (bn, bk) != (BLOCK, BLOCK)) or (quant is not None and bn % BLOCK):
+            _fail(op, f"config {c} does not fit this launch (blockwise scales: BLOCK_N = "
+                      f"BLOCK_K = {BLOCK}; a quantized output: BLOCK_N a multiple of {BLOCK})")
     kernel = _tuner(module, configs, tuning)
     programs = _programs(a.device)
 
@@ -1068,20 +1276,34 @@ def _plan_launch(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
     split = [c.kwargs for c in configs if c.kwargs.get("SPLIT_K", 1) > 1]
 
     g, r = p.gate, p.residual
-    sa_stride = scale_a.reshape(-1).stride(0) if scale_a is not None and scale_a.numel() > 1 \
-        else 0
-    sb_stride = scale_b.reshape(-1).stride(0) if scale_b is not None and scale_b.numel() > 1 \
-        else 0
+    if blockwise:  # [M, K/128] and [N/128, K/128], any strides
+        (sa_stride, sak_stride), (sb_stride, sbk_stride) = scale_a.stride(), scale_b.stride()
+    else:
+        sa_stride = scale_a.reshape(-1).stride(0) if scale_a is not None and \
+            scale_a.numel() > 1 else 0
+        sb_stride = scale_b.reshape(-1).stride(0) if scale_b is not None and \
+            scale_b.numel() > 1 else 0
+        sak_stride = sbk_stride = 0
     scalars = (m, n, k, m_bucket(m), programs,
                a.stride(0), a.stride(1), b.stride(0), b.stride(1), n,  # out: [m, n] contiguous
-               sa_stride, sb_stride,
+               sa_stride, sb_stride, sak_stride, sbk_stride,
                g.stride(0) if g is not None else 0, m // g.shape[0] if g is not None else 1,
-               r.stride(0) if r is not None else 0)
+               r.stride(0) if r is not None else 0,
+               1, m)  # a quantized output's scales: [M, N / 128] with strides (1, M)
     flags = dict(
         USE_TMA=use_tma, PRECISE_ACC=fp8 and not fp8_fast_accum,
         DOT_IN_FP32=not a.is_cuda and a.dtype == torch.bfloat16,
-        HAS_SCALES=fp8, HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation],
-        HAS_GATE=g is not None, HAS_RESIDUAL=r is not None)
+        HAS_SCALES=fp8 and not blockwise, BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
+        ACTIVATION=_ACT_CODE[activation], HAS_GATE=g is not None, HAS_RESIDUAL=r is not None,
+        QUANT_OUT=quant is not None,
+        QUANT_ACT=-1 if quant is None or quant.activation is None else
+        ACT_CODES[quant.activation],
+        HAS_QBIAS=quant_bias is not None, OUT_TY=_triton_type(out_dtype),
+        NATIVE=type(module.gemm_kernel).__name__ != "InterpretedFunction")
+    if quant is not None:
+        # contractions as the act + quant kernels have them (written out), so that the
+        # quantized output equals kopt::act_quant_fp8_group's on the same GEMM output
+        flags["enable_fp_fusion"] = False
     return _Launch(m, n, use_tma, kernel, tuning, grid, scalars, flags,
                    library_form=_library_form(p, scale_a, scale_b, bias, activation, out_dtype,
                                               epilogue),
@@ -1190,6 +1412,107 @@ bf16_gemm = define(
     "bf16_gemm", "(Tensor a, Tensor b, Tensor? bias, Tensor? gate, Tensor? residual, "
     "str activation, ScalarType out_dtype) -> Tensor",
     _bf16_gemm_reference, fake=_bf16_gemm_fake, cuda=_bf16_gemm_cuda)
+
+
+# --- the blockwise recipe (1x128 activation groups x 128x128 weight blocks) on the template ---
+
+def _blockwise_args(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``b`` of the template: the [K, N] column-major view of the row-major [N, K] weight."""
+    if w.dim() != 2:
+        raise GemmInputError(f"the blockwise weight must be [N, K]; got {list(w.shape)}")
+    return w.t()
+
+
+def _fp8_blockwise_gemm_reference(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                                  scale_w: torch.Tensor, bias: torch.Tensor | None,
+                                  out_dtype: torch.dtype) -> torch.Tensor:
+    return gemm_reference(a, _blockwise_args(a, w), scale_a, scale_w, bias, None, None,
+                          out_dtype=out_dtype, fp8=True, blockwise=True)
+
+
+def _fp8_blockwise_gemm_cuda(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                             scale_w: torch.Tensor, bias: torch.Tensor | None,
+                             out_dtype: torch.dtype) -> torch.Tensor:
+    if not _triton_ready(a):
+        return _fp8_blockwise_gemm_reference(a, scale_a, w, scale_w, bias, out_dtype)
+    return gemm(a, _blockwise_args(a, w), scale_a, scale_w, bias, out_dtype=out_dtype,
+                fp8=True, blockwise=True)
+
+
+def _fp8_blockwise_gemm_fake(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                             scale_w: torch.Tensor, bias: torch.Tensor | None,
+                             out_dtype: torch.dtype) -> torch.Tensor:
+    p = _check("kopt::fp8_blockwise_gemm", a, _blockwise_args(a, w), scale_a, scale_w, bias,
+               None, None, "none", out_dtype, True, blockwise=True)
+    return a.new_empty((p.m, p.n), dtype=out_dtype)
+
+
+# ``rnd(sum_j (a[:, Kj] @ w[:, Kj].T) * scale_a[:, j] * scale_w[:, j].T + bias)``: the blockwise
+# recipe's GEMM (what kopt::fp8_blockwise_mm computes through cuBLAS) on kopt's template;
+# a [M, K] e4m3 with scale_a [M, K/128], w [N, K] e4m3 with scale_w [N/128, K/128].
+fp8_blockwise_gemm = define(
+    "fp8_blockwise_gemm", "(Tensor a, Tensor scale_a, Tensor w, Tensor scale_w, Tensor? bias, "
+    "ScalarType out_dtype) -> Tensor",
+    _fp8_blockwise_gemm_reference, fake=_fp8_blockwise_gemm_fake, cuda=_fp8_blockwise_gemm_cuda)
+
+
+@fp64_reference(torch.ops.kopt.fp8_blockwise_gemm.default)
+def _fp8_blockwise_gemm64(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                          scale_w: torch.Tensor, bias: torch.Tensor | None,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    from kopt.codegen.kernels.fp8_blockwise import blockwise_mm_exact
+
+    # (the verifier's fp64 run: scales and bias arrive in fp64, so no fp32 checks here)
+    y = blockwise_mm_exact(a, scale_a, w, scale_w)
+    return y if bias is None else y + bias
+
+
+def _act_quant_reference(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                         scale_w: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                         act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return gemm_reference(a, _blockwise_args(a, w), scale_a, scale_w, None, None, None,
+                          out_dtype=act_dtype, fp8=True, blockwise=True,
+                          quant=QuantOut(activation), quant_bias=bias)
+
+
+def _act_quant_cuda(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                    scale_w: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                    act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _triton_ready(a) or act_dtype not in HALF_DTYPES:  # (fp64: the verifier's)
+        return _act_quant_reference(a, scale_a, w, scale_w, bias, activation, act_dtype)
+    return gemm(a, _blockwise_args(a, w), scale_a, scale_w, out_dtype=act_dtype, fp8=True,
+                blockwise=True, quant=QuantOut(activation), quant_bias=bias)
+
+
+def _act_quant_fake(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                    scale_w: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                    act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from kopt.codegen.kernels.quant_fp8 import group_scale_empty
+
+    p = _check("kopt::fp8_blockwise_gemm_act_quant", a, _blockwise_args(a, w), scale_a,
+               scale_w, None, None, None, "none", act_dtype, True, blockwise=True,
+               quant=QuantOut(activation), quant_bias=bias)
+    return (a.new_empty((p.m, p.n), dtype=E4M3), group_scale_empty(p.m, p.n, a.device))
+
+
+# ``act_quant_fp8_group(fp8_blockwise_mm(a, scale_a, w, scale_w, act_dtype), None, activation,
+# bias)`` in one kernel: the blockwise GEMM whose epilogue adds the bias, applies the activation
+# and quantizes the result per 1x128 group for the next blockwise GEMM, so the activation's
+# input is never written. (q [M, N] e4m3, scale [M, N/128] with strides (1, M)).
+fp8_blockwise_gemm_act_quant = define(
+    "fp8_blockwise_gemm_act_quant", "(Tensor a, Tensor scale_a, Tensor w, Tensor scale_w, "
+    "Tensor? bias, str activation, ScalarType act_dtype) -> (Tensor, Tensor)",
+    _act_quant_reference, fake=_act_quant_fake, cuda=_act_quant_cuda)
+
+
+@fp64_reference(torch.ops.kopt.fp8_blockwise_gemm_act_quant.default)
+def _act_quant64(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
+                 scale_w: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                 act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # the product and the activation in fp64, then the quantizer as the unfused fp64 run
+    # applies it (kopt::act_quant_fp8_group's fp64 reference)
+    y = _fp8_blockwise_gemm64(a, scale_a, w, scale_w, None, act_dtype)
+    return quant_reference(y, QuantOut(activation), bias)
 
 
 _DEFINED: dict[str, tuple[GemmEpilogue, object]] = {}

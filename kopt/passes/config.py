@@ -119,8 +119,16 @@ class PassConfig:
     copy (~560 GB/s). Exact. W1 on the H200: 4.4 and 2.0 ms per call saved under CUDA graphs in
     two paired leave-one-out runs (benchmarks/RESULTS.md session 9)."""
 
+    gemm_act_quant: bool = False
+    """Blockwise FP8 (``FP8Config(layout="blockwise")``): the bias + GELU + 1x128-group
+    quantization after a blockwise GEMM (``kopt::act_quant_fp8_group``, the MLP's up
+    projection) runs in the epilogue of kopt's blockwise GEMM template, so the GEMM's output is
+    never written in bf16 (``kopt::fp8_blockwise_gemm_act_quant``). Off until measured faster
+    than cuBLAS's blockwise GEMM + the separate kernel (benchmarks/RESULTS.md, session 24)."""
+
     triton_gemm: bool = False
-    """Every rowwise FP8 GEMM left to cuBLAS runs kopt's autotuned Triton template instead
+    """Every FP8 GEMM left to cuBLAS (rowwise, and blockwise: ``kopt::fp8_blockwise_gemm``)
+    runs kopt's autotuned Triton template instead
     (its GEMMs 2.0-2.6% less kernel time than cuBLAS's in W1/W2 replayed from a CUDA graph;
     its accumulation error grows with K, so W2's output error rises from 1.225e-1 to 1.235e-1).
     Replayed from a CUDA graph W1 took 85.5 ms per forward with it, 89.0 without; eager, 123.4

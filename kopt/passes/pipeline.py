@@ -32,7 +32,12 @@ from kopt.patterns.act_quant import ACT, act_quant_rewrite
 from kopt.patterns.bias import ABSORB_BIAS, SPLIT_BIAS_ADD
 from kopt.patterns.collectives import ALLREDUCE_NORM_FUSIONS
 from kopt.patterns.fp8 import fp8_linear
-from kopt.patterns.gemm_epilogue import GEMM_EPILOGUE, TRITON_GEMM
+from kopt.patterns.gemm_epilogue import (
+    GEMM_ACT_QUANT,
+    GEMM_EPILOGUE,
+    TRITON_BLOCKWISE_GEMM,
+    TRITON_GEMM,
+)
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.patterns.rowwise_fusion import rowwise_fusions
@@ -66,8 +71,11 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
         getattr(c.fp8, "intermediates", "eager"))))),
     ("fold_constants", lambda c: FoldConstants()),  # packs what the passes above left on weights
     ("cat_rows", lambda c: CatRows()),  # the cats no fusion took, weights' folded already
+    # the blockwise act + quant fuse_act_quant made, into the GEMM before it
+    ("gemm_act_quant", lambda c: RewritePass("gemm_act_quant", [GEMM_ACT_QUANT])),
     # the FP8 GEMMs every pass above left to cuBLAS (before hoist: the hoisted ones too)
-    ("triton_gemm", lambda c: RewritePass("triton_gemm", [TRITON_GEMM])),
+    ("triton_gemm", lambda c: RewritePass("triton_gemm", [TRITON_GEMM,
+                                                          TRITON_BLOCKWISE_GEMM])),
     ("hoist", lambda c: HoistInvariants(c.hoist if isinstance(c.hoist, tuple) else ())),
 )
 

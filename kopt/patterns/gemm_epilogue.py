@@ -35,13 +35,17 @@ accumulator's layout, tile by tile, after the K loop.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import torch
 from torch import fx
 
 import kopt.codegen.gemm  # noqa: F401 -- registers kopt::fp8_gemm
-from kopt.graph import infer_meta, other_operand, tensor_meta
+import kopt.codegen.kernels.act_quant  # noqa: F401 -- registers kopt::act_quant_fp8_rowwise
+import kopt.codegen.kernels.act_quant_group  # noqa: F401 -- registers kopt::act_quant_fp8_group
+import kopt.codegen.kernels.fp8_blockwise  # noqa: F401 -- registers kopt::fp8_blockwise_mm
+from kopt.graph import describe_node, infer_meta, module_path, other_operand, tensor_meta
 from kopt.patterns.core import Match, Rejection, StructuralRewrite, normalized_args, tolerance
 
 aten = torch.ops.aten
@@ -209,4 +213,174 @@ TRITON_GEMM = StructuralRewrite(
                        "than cuBLAS; the bias and the rounding are cuBLAS's"),
     benefit=1,
     description="mm_fp8(a, b, sa, sb, bias) -> fp8_gemm(a, b, sa, sb, bias)",
+)
+
+
+# --- the blockwise recipe: the act + quant after the GEMM in its epilogue --------------------
+#   act_quant_group(reshape(blockwise_mm(a, sa, w, sw)), act, b)
+#       -> blockwise_gemm_act_quant(a, sa, w, sw, b, act)
+#   blockwise_mm(a, sa, w, sw) -> blockwise_gemm(a, sa, w, sw)                       (triton_gemm)
+#
+# A 1x128 group's scale is the amax of its own 128 values, all in one column tile of the GEMM:
+# the epilogue quantizes the tile it holds (kopt.codegen.gemm.QuantOut), and the GEMM's bf16
+# output -- 4096 x 12288 for W1's MLP up projection, written and read back once each -- is never
+# materialised. A per-token scale is the amax of a whole row, over every column tile: not
+# tile-local, so the rowwise recipe's act + quant stays a kernel of its own (rejected below, with
+# that reason).
+
+ACT_QUANT_NAME = "gemm_act_quant"
+BLOCKWISE_MM = torch.ops.kopt.fp8_blockwise_mm.default
+BLOCKWISE_GEMM = torch.ops.kopt.fp8_blockwise_gemm.default
+BLOCKWISE_ACT_QUANT = torch.ops.kopt.fp8_blockwise_gemm_act_quant.default
+_ACT_QUANT_GROUP = torch.ops.kopt.act_quant_fp8_group.default
+_ACT_QUANT_ROWWISE = torch.ops.kopt.act_quant_fp8_rowwise.default
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+_SLICES = (aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+           aten.chunk.default, operator.getitem)
+
+
+def _producer(x: object) -> tuple[fx.Node | None, fx.Node | None, bool]:
+    """``(reshape, producer, sliced)`` of a value read through at most one reshape, or through
+    slices of the producer's output (``sliced``: SwiGLU's gate and up halves)."""
+    if not isinstance(x, fx.Node):
+        return None, None, False
+    reshape = x if x.op == "call_function" and x.target in _RESHAPES else None
+    node, sliced = reshape.args[0] if reshape is not None else x, False
+    while isinstance(node, fx.Node) and node.op == "call_function" and (
+            node.target in _SLICES or node.target in _RESHAPES):
+        node, sliced = node.args[0], True
+    return reshape, node if isinstance(node, fx.Node) else None, sliced
+
+
+def _blockwise_unsupported(gemm: fx.Node) -> str | None:
+    """What kopt's template cannot take in a ``kopt::fp8_blockwise_mm`` node."""
+    a, _, w, _, out_dtype = gemm.args
+    av, wv = tensor_meta(a), tensor_meta(w)
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"GEMM output dtype {out_dtype} (kopt's GEMM writes bf16/fp16/fp32)"
+    if av.dim() != 2 or av.stride(1) != 1:
+        return f"A is not row-major [M, K] (strides {tuple(av.stride())})"
+    if wv.dim() != 2 or wv.stride(1) != 1:
+        return f"the weight is not row-major [N, K] (strides {tuple(wv.stride())})"
+    if av.shape[1] % 16:
+        return f"K = {av.shape[1]} is not a multiple of 16 (16-byte FP8 rows)"
+    return None
+
+
+def find_gemm_act_quant(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
+    from kopt.codegen.gemm import QUANT_ACTIVATIONS
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _ACT_QUANT_ROWWISE:
+            _, gemm, _ = _producer(node.args[0])
+            if gemm is not None and gemm.target in (GEMM, FUSED):
+                yield Rejection(ACT_QUANT_NAME, node.name, "per-token FP8 scales: a row's amax "
+                                "spans every column tile of the GEMM before it, not one tile "
+                                "(the blockwise recipe's 1x128 groups are tile-local: "
+                                "FP8Config(layout='blockwise'))")
+            continue
+        if node.target is not _ACT_QUANT_GROUP:
+            continue
+        x, up, activation, bias, other, _ = node.args
+        reshape, gemm, sliced = _producer(x)
+        if gemm is None or gemm.target is not BLOCKWISE_MM:
+            continue
+        reason = _blockwise_unsupported(gemm)
+        if reason is None and (sliced or up is not None or other is not None):
+            reason = "SwiGLU's halves or a concatenated tensor lie in other column tiles"
+        if reason is None and activation not in QUANT_ACTIVATIONS:
+            reason = f"activation {activation!r} is not one the epilogue computes"
+        if reason is None and (len(gemm.users) != 1 or (reshape is not None
+                                                        and len(reshape.users) != 1)):
+            reason = "the GEMM's output has other users: it is still needed"
+        if reason is None and tensor_meta(x).dtype != gemm.args[4]:
+            reason = "the activation reads another dtype than the GEMM writes"
+        if reason:
+            yield Rejection(ACT_QUANT_NAME, node.name, reason)
+            continue
+        nodes = tuple(n for n in (gemm, reshape, node) if n is not None)
+        yield Match(ACT_QUANT_NAME, node, nodes, {"gemm": gemm, "reshape": reshape,
+                                                  "activation": activation, "bias": bias},
+                    outputs=(node,))
+
+
+def fuse_act_quant(gm: fx.GraphModule, match: Match) -> None:
+    b = match.bindings
+    gemm, quant = b["gemm"], match.anchor
+    a, sa, w, sw, out_dtype = gemm.args
+    g = gm.graph
+    with g.inserting_before(quant):
+        fused = g.call_function(BLOCKWISE_ACT_QUANT, (a, sa, w, sw, b["bias"], b["activation"],
+                                                      out_dtype))
+        infer_meta(gm, fused)
+    quant.replace_all_uses_with(fused)  # the same outputs: (e4m3 values, 1x128 scales)
+    for n in (quant, b["reshape"], gemm):
+        if n is not None and not n.users:
+            g.erase_node(n)
+
+
+def describe_act_quant(match: Match) -> str:
+    b = match.bindings
+    m, n = tensor_meta(b["gemm"]).shape
+    bias = "bias + " if b["bias"] is not None else ""
+    # (the FP8 GEMM node has no module path; the fused act + quant says what it was built from)
+    where = module_path(b["gemm"]) or describe_node(match.anchor)
+    return f"{where}: blockwise GEMM {m} x {n} -> {bias}{b['activation']} + quant 1x128 in its " \
+           "epilogue"
+
+
+GEMM_ACT_QUANT = StructuralRewrite(
+    name=ACT_QUANT_NAME,
+    matcher=find_gemm_act_quant,
+    applier=fuse_act_quant,
+    describer=describe_act_quant,
+    numerics=tolerance("kopt's GEMM accumulates the product in another order than cuBLAS; "
+                       "given its output, the epilogue is kopt::act_quant_fp8_group's "
+                       "computation (bitwise on the H200)"),
+    benefit=10,
+    description="act_quant_group(blockwise_mm(a, w), act, b) -> blockwise_gemm_act_quant(a, w, "
+                "b, act)",
+)
+
+
+def find_template_blockwise(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
+    for gemm in gm.graph.nodes:
+        if gemm.op != "call_function" or gemm.target is not BLOCKWISE_MM:
+            continue
+        reason = _blockwise_unsupported(gemm)
+        if reason:
+            yield Rejection(TEMPLATE_NAME, gemm.name, reason)
+            continue
+        yield Match(TEMPLATE_NAME, gemm, (gemm,), {})
+
+
+def to_template_blockwise(gm: fx.GraphModule, match: Match) -> None:
+    gemm = match.anchor
+    a, sa, w, sw, out_dtype = gemm.args
+    with gm.graph.inserting_before(gemm):
+        new = gm.graph.call_function(BLOCKWISE_GEMM, (a, sa, w, sw, None, out_dtype))
+        infer_meta(gm, new)
+    gemm.replace_all_uses_with(new)
+    gm.graph.erase_node(gemm)
+
+
+def describe_blockwise(match: Match) -> str:
+    a, _, w, _, _ = match.anchor.args
+    (m, k), n = tensor_meta(a).shape, tensor_meta(w).shape[0]
+    return f"{describe_node(match.anchor)}: blockwise GEMM {m} x {n} x {k}"
+
+
+TRITON_BLOCKWISE_GEMM = StructuralRewrite(
+    name=TEMPLATE_NAME,
+    matcher=find_template_blockwise,
+    applier=to_template_blockwise,
+    describer=describe_blockwise,
+    numerics=tolerance("kopt's GEMM accumulates each 128-deep K step's product in another "
+                       "order than cuBLAS; the scales are applied per step, as cuBLAS does"),
+    benefit=1,
+    description="blockwise_mm(a, sa, w, sw) -> blockwise_gemm(a, sa, w, sw)",
 )

@@ -107,6 +107,25 @@ def _group_act(x_ptr, u_ptr, b_ptr, r64, R2, N, acol, mask, sx0, sx1, sxn, su0, 
 
 
 @triton.jit
+def group_quant_tile(a, ROWS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+                     NATIVE: tl.constexpr):
+    """A [ROWS, BLOCK] fp32 tile (BLOCK a multiple of 128, values outside the tensor 0) ->
+    (e4m3 bits [ROWS, BLOCK], scales [ROWS, BLOCK / 128]): each 1x128 group by its own amax.
+    ``FAST``: the quotient by the scale as the product with its reciprocal on the GPU (the fast
+    activations' tier, as the per-token kernel's ``_quotient``); else the IEEE quotient. Shared
+    with the GEMM template's quantized output (:mod:`kopt.codegen.gemm`)."""
+    a3 = tl.reshape(a, [ROWS, BLOCK // 128, 128])
+    amax = tl.max(tl.abs(a3), axis=2)
+    scale = fp8_scale(amax, NATIVE)
+    if FAST and NATIVE:
+        q = a3 * pw_recip(scale)[:, :, None]
+    else:
+        q = pw_div_by(a3, scale[:, :, None], pw_recip(scale)[:, :, None], NATIVE)
+    q = e4m3_clamp(q, NATIVE)
+    return tl.reshape(e4m3_bits(q, NATIVE), [ROWS, BLOCK]), scale
+
+
+@triton.jit
 def _act_quant_group_kernel(
     x_ptr, u_ptr, b_ptr, o_ptr, q_ptr, s_ptr, R, R2, N, P,
     sx0, sx1, sxn, su0, su1, sun, so0, so1, son,
@@ -145,15 +164,7 @@ def _act_quant_group_kernel(
     else:
         a = _group_act(x_ptr, u_ptr, b_ptr, r64, R2, N, col, mask, sx0, sx1, sxn, su0, su1,
                        sun, ACT, HAS_BIAS, NATIVE, PAIRS)
-    a3 = tl.reshape(a, [ROWS, BLOCK // 128, 128])
-    amax = tl.max(tl.abs(a3), axis=2)
-    scale = fp8_scale(amax, NATIVE)
-    if ACT >= 3 and NATIVE:  # fast activations: the product with the reciprocal, as the
-        q = a3 * pw_recip(scale)[:, :, None]  # per-token kernel's _quotient (same tier)
-    else:
-        q = pw_div_by(a3, scale[:, :, None], pw_recip(scale)[:, :, None], NATIVE)
-    q = e4m3_clamp(q, NATIVE)
-    bits = tl.reshape(e4m3_bits(q, NATIVE), [ROWS, BLOCK])
+    bits, scale = group_quant_tile(a, ROWS, BLOCK, ACT >= 3, NATIVE)
     tl.store(q_ptr + r64[:, None] * W + col[None, :], bits, mask=mask)
     g = c0 // 128 + tl.arange(0, BLOCK // 128)
     tl.store(s_ptr + g.to(tl.int64)[None, :] * R + r64[:, None], scale,
