@@ -7,7 +7,8 @@ measures up to 3 ms apart within one run (session 23), more than a small pass sa
 the all-passes graph and each "all - PASS" graph are built once and timed in turn, round
 after round (the ablation's step: ``calls_per_step`` calls on a new timestep, synchronized),
 and each pass's saving is the median over the rounds of its row less the round's all-passes
-time.
+time. ``--hits`` also times each graph on one step's inputs over and over, so that every call
+hits the hoisted caches: the saving in the replay alone, the rest being the regions' miss.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> None:
     p.add_argument("--without", action="append", default=[], metavar="PASS")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--hits", action="store_true",
+                   help="also time every graph with its hoisted caches hit (repeated inputs)")
     args = p.parse_args()
     cap, config, inputs, calls = workload(args.model, args.fp8)
     configs = {"all": config} | {f"all - {q}": config.replace(**{q: _off(q)})
@@ -46,15 +49,19 @@ def main() -> None:
         for r in range(args.rounds):
             times = {name: step_ms(run, inputs, calls, args.steps)
                      for name, run in runners.items()}
+            if args.hits:
+                times |= {f"{name} (hits)": step_ms(run, inputs[:1], calls, args.steps)
+                          for name, run in runners.items()}
             rounds.append(times)
             print(f"round {r}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()),
                   flush=True)
     print(f"ms per call saved (median over {args.rounds} rounds of the row less the round's "
           "all):")
     for q in args.without:
-        saved = [t[f"all - {q}"] - t["all"] for t in rounds]
-        print(f"{q}: {statistics.median(saved):.2f} (rounds: "
-              + ", ".join(f"{s:.2f}" for s in saved) + ")")
+        for suffix in ("", " (hits)") if args.hits else ("",):
+            saved = [t[f"all - {q}{suffix}"] - t[f"all{suffix}"] for t in rounds]
+            print(f"{q}{suffix}: {statistics.median(saved):.2f} (rounds: "
+                  + ", ".join(f"{s:.2f}" for s in saved) + ")")
 
 
 if __name__ == "__main__":
