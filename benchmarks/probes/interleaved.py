@@ -8,7 +8,9 @@ the all-passes graph and each "all - PASS" graph are built once and timed in tur
 after round (the ablation's step: ``calls_per_step`` calls on a new timestep, synchronized),
 and each pass's saving is the median over the rounds of its row less the round's all-passes
 time. ``--hits`` also times each graph on one step's inputs over and over, so that every call
-hits the hoisted caches: the saving in the replay alone, the rest being the regions' miss.
+hits the hoisted caches: the saving in the replay alone, the rest being the regions' miss. Each
+row prints the SM clock and power it ran at (NVML): W1's merged and unmerged graphs ran at
+different clocks in session 24's timed rows.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from benchmarks.probes.hoist_miss import step_ms, workload
 from kopt.ablate import _off
 from kopt.api import optimize_captured
 from kopt.cudagraphs import CudaGraphRunner
+from kopt.power import ClockSampler
 from kopt.verify import VerifyOptions
 
 
@@ -47,14 +50,19 @@ def main() -> None:
                   flush=True)
         rounds = []
         for r in range(args.rounds):
-            times = {name: step_ms(run, inputs, calls, args.steps)
-                     for name, run in runners.items()}
-            if args.hits:
-                times |= {f"{name} (hits)": step_ms(run, inputs[:1], calls, args.steps)
-                          for name, run in runners.items()}
+            times, clocks = {}, {}
+            for hits in (False, True) if args.hits else (False,):
+                for name, run in runners.items():
+                    row = f"{name} (hits)" if hits else name
+                    with ClockSampler("cuda") as sampler:  # the clock each row ran at
+                        times[row] = step_ms(run, inputs[:1] if hits else inputs, calls,
+                                             args.steps)
+                    clocks[row] = sampler.result
             rounds.append(times)
-            print(f"round {r}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()),
-                  flush=True)
+            print(f"round {r}: " + ", ".join(
+                f"{k} {v:.2f}" + (f" ({clocks[k].sm_mhz:.0f} MHz, {clocks[k].power_w:.0f} W)"
+                                  if clocks[k] is not None else "")
+                for k, v in times.items()), flush=True)
     print(f"ms per call saved (median over {args.rounds} rounds of the row less the round's "
           "all):")
     for q in args.without:
