@@ -293,7 +293,7 @@ class BlockInputs:
 def blockwise_case(c: Case, g: torch.Generator) -> dict:
     """The blockwise recipe's GEMM (and its MLP up projection's act + quant) timed as the
     module docstring says, each template config on its own and autotuned."""
-    from kopt.codegen.gemm import QuantOut, _blockwise_configs
+    from kopt.codegen.gemm import QuantOut, _blockwise_configs, m_bucket
     from kopt.codegen.kernels.fp8_blockwise import quant_fp8_block128_reference
     from kopt.codegen.kernels.quant_fp8 import quant_fp8_group_reference
 
@@ -319,7 +319,7 @@ def blockwise_case(c: Case, g: torch.Generator) -> dict:
     row["kopt_err"] = relative_error(ours(s), exact)
     row["cublas_err"] = relative_error(lib(s), exact)
     timed = []
-    for cfg in _blockwise_configs(m_bucket_of(c.m), False):
+    for cfg in _blockwise_configs(m_bucket(c.m), False):
         run = lambda s, cfg=cfg: gemm(s.a, s.w.t(), s.sa, s.sw, blockwise=True, configs=[cfg])
         try:
             timed.append({"config": str(cfg), "ms": time_ms(run, sets, True)})
@@ -350,12 +350,6 @@ def blockwise_case(c: Case, g: torch.Generator) -> dict:
     del sets
     torch.cuda.empty_cache()
     return row
-
-
-def m_bucket_of(m: int) -> int:
-    from kopt.codegen.gemm import m_bucket
-
-    return m_bucket(m)
 
 
 def print_blockwise(rows: list[dict]) -> None:

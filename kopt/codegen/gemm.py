@@ -1478,7 +1478,7 @@ def _act_quant_reference(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor
 def _act_quant_cuda(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor,
                     scale_w: torch.Tensor, bias: torch.Tensor | None, activation: str,
                     act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _triton_ready(a) or act_dtype not in HALF_DTYPES:  # (fp64: the verifier's)
+    if not _triton_ready(a):
         return _act_quant_reference(a, scale_a, w, scale_w, bias, activation, act_dtype)
     return gemm(a, _blockwise_args(a, w), scale_a, scale_w, out_dtype=act_dtype, fp8=True,
                 blockwise=True, quant=QuantOut(activation), quant_bias=bias)
