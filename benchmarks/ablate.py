@@ -34,6 +34,10 @@ saving is a difference of two back-to-back timings and the GPU's drift between r
 of it (the same W1 row measured about +-2 ms apart across runs of a 103 ms call);
 ``ablation.md`` gives the all-passes row's spread over the run.
 
+Each CUDA graph runs its steps for ``--steady`` seconds before it is timed: a GPU at its
+power cap reaches its sustained clock only after some seconds of load, and a row timed at once
+after its build measures a clock its graph does not sustain (``kopt.bench.STEADY_S``).
+
 ``--calibrate-only`` stops after the fit: a new calibration of the same workload, checked
 against an earlier run's rows with ``--replay OLD --device-model NEW/device_model.json``.
 """
@@ -63,6 +67,7 @@ from kopt.ablate import (
     spearman,
 )
 from kopt.api import optimize_captured
+from kopt.bench import STEADY_S
 from kopt.capture import capture_module
 from kopt.cli import parse_shape
 from kopt.codegen.rowwise import INTERMEDIATES
@@ -247,6 +252,9 @@ def main() -> None:
                    help="time the all-passes row again right after every later row: each "
                    "leave-one-out saving is then a difference of two back-to-back timings "
                    "(the run's drift left out; holds a second variant in memory)")
+    p.add_argument("--steady", type=float, default=STEADY_S, metavar="S",
+                   help="seconds each CUDA graph runs its steps before it is timed, so that "
+                   f"every row is timed at the GPU's sustained clock (default {STEADY_S:g})")
     p.add_argument("--out-dir", help="where the results go (required unless --replay)")
     p.add_argument("--calibrate-only", action="store_true", help="stop after the fit "
                    "(calibration.json.gz, device_model.json): check it with --replay on the rows "
@@ -323,7 +331,7 @@ def main() -> None:
     cost = CostModel(device, calls_per_step=w.calls_per_step)
     result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
                     cost=cost, iters=args.iters, profile_rows=args.profile_rows,
-                    paired=args.paired,
+                    paired=args.paired, steady_s=args.steady,
                     warmup=args.warmup, captured=cap,
                     verify=VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(args.seeds))),
                     progress=lambda s: print(s, flush=True),

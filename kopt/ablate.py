@@ -40,7 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kopt.api import optimize_captured
-from kopt.bench import median_ms
+from kopt.bench import STEADY_S, median_ms, sustain
 from kopt.capture import Captured, capture_module, flatten_inputs
 from kopt.cost import CostModel, OpCount, Ranking, count_graph
 from kopt.cudagraphs import CudaGraphRunner
@@ -405,7 +405,8 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
            captured: Captured | None = None,
            progress: Callable[[str], None] = log.info,
            on_row: Callable[[Ablation, Row], None] | None = None,
-           profile_rows: int = 0, paired: bool = False) -> Ablation:
+           profile_rows: int = 0, paired: bool = False,
+           steady_s: float = STEADY_S) -> Ablation:
     """Ablate the passes ``config`` enables (or only ``passes`` of them) on workload ``w``.
 
     ``cost``: ranks the passes (the cumulative order) and predicts each row; without it the
@@ -417,8 +418,12 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
     (``Row.ref_ms``, ``Row.ref_graph_ms``), so each leave-one-out saving is a difference of two
     timings taken back to back, and the GPU's drift between rows stays out of it (on the H200
     the same W1 row measured +-2 ms apart across runs of a 103 ms call; within one run it is
-    what this measures). Holds a second variant's memory.
+    what this measures). Holds a second variant's memory. ``steady_s``: seconds each CUDA
+    graph runs its steps before it is timed, so that every row is timed at the GPU's sustained
+    clock (:data:`kopt.bench.STEADY_S`).
     """
+    if steady_s < 0:
+        raise ValueError(f"steady_s must be >= 0, not {steady_s}")
     context: tuple[str, ...] = ()
     if passes is not None:
         unknown = set(passes) - set(config.enabled())
@@ -462,7 +467,7 @@ def ablate(w: Workload, config: PassConfig = PassConfig(), *, passes: Sequence[s
                 on_row(result, result.rows[-1])
             continue
         row, kept = _measure(v, w, cap, verify, cost, expected, inputs, iters, warmup,
-                             profile_rows, reference, keep=v.name == keep)
+                             profile_rows, reference, keep=v.name == keep, steady_s=steady_s)
         reference = kept or reference
         measured[v.config] = row
         result.rows.append(row)
@@ -496,22 +501,26 @@ class _Reference:
     iters: int
     warmup: int
     device: torch.device
+    steady_s: float = 0.0
 
     def time(self) -> tuple[float, float | None]:
         """(eager, CUDA graph) ms per call now."""
         with torch.no_grad():
             ms = median_ms(lambda: self.step(self.gm), self.iters, self.warmup,
                            self.device) / self.calls
-            graph = None if self.runner is None else median_ms(
-                lambda: self.step(self.runner), self.iters, self.warmup,
-                self.device) / self.calls
+            graph = None
+            if self.runner is not None:
+                sustain(lambda: self.step(self.runner), self.steady_s, self.device)
+                graph = median_ms(lambda: self.step(self.runner), self.iters, self.warmup,
+                                  self.device) / self.calls
         return ms, graph
 
 
 def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
              cost: CostModel | None, expected: torch.Tensor, inputs: list[list[Any]],
              iters: int, warmup: int, profile_rows: int = 0, paired: _Reference | None = None,
-             *, keep: bool = False) -> tuple[Row, _Reference | None]:
+             *, keep: bool = False, steady_s: float = 0.0,
+             ) -> tuple[Row, _Reference | None]:
     """Optimize the capture with the variant's config (verified), time it, predict it (and
     with ``profile_rows``, profile it: its kernel time by op). ``paired``: time that kept
     variant again right after this one; ``keep``: return this variant for paired timings."""
@@ -526,6 +535,8 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
         if device.type == "cuda":
             try:
                 runner = CudaGraphRunner(gm)
+                # to the sustained clock: the eager timing above left the GPU below its cap
+                sustain(lambda: step(runner), steady_s, device)
                 with ClockSampler(device) as sampler:
                     graph_ms = median_ms(lambda: step(runner), iters, warmup, device) / calls
                 clocks = sampler.result
@@ -560,7 +571,7 @@ def _measure(v: Variant, w: Workload, cap: Captured, verify: VerifyOptions,
               spec.report.applied, verified, verdict, error, counts, op_ms, ref_ms, ref_graph_ms,
               clocks.sm_mhz if clocks else None, clocks.power_w if clocks else None)
     kept = _Reference(gm, runner if device.type == "cuda" else None, step, calls, iters, warmup,
-                      device) if keep else None
+                      device, steady_s) if keep else None
     return row, kept
 
 

@@ -41,3 +41,29 @@ def median_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 3,
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / repeat)
     return statistics.median(times)
+
+
+# Seconds a graph runs before it is timed: a GPU at its power cap reaches its sustained clock
+# only after some seconds of load. On the H200 (session 25, W1 in FP8), a graph timed right
+# after its build drew 497-576 W (NVML) where the same graph drew 689-693 W after 2 s of its
+# steps, and the first timing of W1's merged-projection graph read 88.2 ms against 90.6
+# sustained (90.0-90.8 over five more rounds): the more power-hungry a graph, the more its
+# first timing gains, so a difference of two rows timed that way is not a difference at the
+# sustained clock.
+STEADY_S = 3.0
+
+
+def sustain(fn: Callable[[], object], seconds: float,
+            device: str | torch.device = "cpu") -> int:
+    """Call ``fn`` (synchronized on CUDA) until ``seconds`` have passed; the number of calls.
+    At least one call, so that a slow ``fn`` still warms what it uses."""
+    if seconds < 0:
+        raise ValueError(f"seconds must be >= 0, not {seconds}")
+    cuda = torch.device(device).type == "cuda"
+    start, calls = time.perf_counter(), 0
+    while calls == 0 or time.perf_counter() - start < seconds:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        calls += 1
+    return calls

@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace here")
     pr.add_argument("--json", metavar="PATH", help="write the attribution as JSON here")
     from kopt.ablate import KINDS
+    from kopt.bench import STEADY_S
 
     ab = sub.add_parser("ablate", parents=[o], help="time the baseline, each pass alone, the "
                         "passes added in rank order and all but one; predicted vs measured")
@@ -123,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     ab.add_argument("--paired", action="store_true",
                     help="time the all-passes row again right after every later row (each "
                     "leave-one-out saving from two back-to-back timings)")
+    ab.add_argument("--steady", type=float, default=STEADY_S, metavar="S",
+                    help="seconds each CUDA graph runs before it is timed: the sustained "
+                    f"clock of a GPU at its power cap (default {STEADY_S:g})")
     ab.add_argument("--md", metavar="PATH", help="write the Markdown table here")
     ab.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
     ab.add_argument("--png", metavar="PATH", help="write the waterfall chart here (matplotlib)")
@@ -367,7 +371,8 @@ def _ablate(args: argparse.Namespace) -> int:
     del graphs
     result = ablate(w, config, passes=args.passes or None, kinds=args.kinds or KINDS,
                     cost=cost, iters=args.iters, warmup=args.warmup, verify=verify,
-                    captured=cap, paired=args.paired, progress=lambda s: None if args.quiet
+                    captured=cap, paired=args.paired, steady_s=args.steady,
+                    progress=lambda s: None if args.quiet
                     else print(s, file=sys.stderr, flush=True))
     text = result.markdown()
     print(text)

@@ -339,3 +339,23 @@ def test_a_pass_with_as_many_rewrites_but_another_graph_keeps_its_saving() -> No
         row("all - hoist", "hoist", 5.2, fused)])
     result.rows[0] = dataclasses.replace(result.rows[0], kind="baseline", sites=0)
     assert result.savings("leave-one-out") == {"fuse_act_quant": (None, pytest.approx(1.0))}
+
+
+def test_sustain_runs_the_call_until_the_time_has_passed() -> None:
+    """The ablation's rows and the calibration's replays run for ``STEADY_S`` before they are
+    timed (the GPU's sustained clock); ``sustain`` calls at least once, for at least that
+    long, and refuses a negative time."""
+    import time
+
+    from kopt.bench import STEADY_S, sustain
+
+    assert STEADY_S > 0
+    calls = []
+    start = time.perf_counter()
+    n = sustain(lambda: calls.append(time.perf_counter()), 0.05)
+    assert 0.05 <= time.perf_counter() - start < 1.0 and n == len(calls) > 1
+    assert sustain(lambda: time.sleep(0.02), 0.0) == 1  # once even with no time to run
+    with pytest.raises(ValueError, match="seconds must be >= 0"):
+        sustain(lambda: None, -1.0)
+    with pytest.raises(ValueError, match="steady_s must be >= 0"):
+        ablate(build("llm-tiny"), PassConfig(), steady_s=-0.5)
