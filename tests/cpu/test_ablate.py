@@ -204,13 +204,20 @@ def test_ablation_writers(result, tmp_path) -> None:  # noqa: ANN001
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_cli_ablate_writes_table_json_and_chart(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_cli_ablate_writes_table_json_and_chart(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    import kopt.ablate
+
+    steady = []
+    real = kopt.ablate.ablate
+    monkeypatch.setattr(kopt.ablate, "ablate",
+                        lambda *a, **k: steady.append(k["steady_s"]) or real(*a, **k))
     md, js, png = tmp_path / "a.md", tmp_path / "a.json", tmp_path / "a.png"
     rc = main(["ablate", "-q", "--model", "llm-tiny", "--pass", "merge_projections",
                "--pass", "cse", "--kind", "alone", "--kind", "cumulative", "--iters", "1",
                "--warmup", "1", "--seeds", "1", "--device-model", "h200", "--md", str(md),
-               "--json", str(js), "--png", str(png)])
+               "--json", str(js), "--png", str(png), "--steady", "0.25"])
     assert rc == 0
+    assert steady == [0.25]  # the flag reaches the ablation (its graph rows' steady period)
     out = capsys.readouterr().out
     assert "### Ablation: llm-tiny, float32 on cpu" in out and out.strip() == md.read_text().strip()
     rows = json.loads(js.read_text())["rows"]
