@@ -5,9 +5,10 @@
 Session 24's interleaved probe put W1's unmerged miss at about 3.9 ms a step (steps on new
 timesteps less steps that hit), where :func:`benchmarks.probes.hoist_miss.phased` measured
 6.2-10.9 ms of host time for it (session 25, c1 and c2), and the cost model prices 6.7. This
-builds one graph (all passes less ``--without``, or all without it) and prints, in rounds:
+builds "all" and "all - PASS" and prints for each, in rounds (the order reversed every other):
 
-- the step's ms per call on new timesteps (a miss per step) and on one timestep (hits);
+- the step's ms per call on new timesteps (a miss per step) and on one timestep (hits), and
+  their difference: the miss's share of a call;
 - the host time of each prelude call inside those steps (the miss is the step's first call);
 - each region's kind (step / static), node and GEMM counts, and its misses in the steps;
 - the prelude alone (synchronized) with the step regions emptied, and with every region.
@@ -15,19 +16,16 @@ builds one graph (all passes less ``--without``, or all without it) and prints, 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from benchmarks.probes.hoist_miss import step_ms, workload
-from kopt.ablate import _off
-from kopt.api import optimize_captured
+from benchmarks.probes.hoist_miss import step_ms
+from benchmarks.probes.replay_split import build_pair, pair_options
 from kopt.cost.counts import region_kind
 from kopt.cudagraphs import CudaGraphRunner
 from kopt.passes.hoist import CachedRegion
-from kopt.verify import VerifyOptions
 
 
 class TimedPrelude:
@@ -46,7 +44,8 @@ class TimedPrelude:
         return out
 
 
-def alone(runner: CudaGraphRunner, prelude, flat: list, regions: list[CachedRegion]) -> tuple:
+def alone(prelude, flat: list, regions: list[CachedRegion]) -> tuple:
+    """(host ms, wall ms) of one prelude call, synchronized, with ``regions`` emptied."""
     torch.cuda.synchronize()
     for r in regions:
         r.clear()
@@ -57,61 +56,73 @@ def alone(runner: CudaGraphRunner, prelude, flat: list, regions: list[CachedRegi
     return host * 1e3, (time.perf_counter() - t0) * 1e3
 
 
+def setup(gm) -> tuple:
+    """The graph's CUDA-graph runner with its prelude timed, its regions and its step regions
+    (printed: kind, keys, nodes, GEMMs)."""
+    runner = CudaGraphRunner(gm)
+    prelude = runner.prelude
+    runner.prelude = TimedPrelude(prelude)
+    kinds = {}  # by key names: the runner's prelude holds copies of gm's regions
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), CachedRegion):
+            kinds[gm.get_submodule(node.target).key_names] = region_kind(gm, node)
+    regions = [m for m in prelude.modules() if isinstance(m, CachedRegion)]
+    for m in regions:
+        gemms = sum(1 for n in m.region.graph.nodes if "mm" in str(n.target))
+        print(f"  region: {kinds.get(m.key_names, '?')}, keys {m.key_names}, "
+              f"{len(m.region.graph.nodes)} nodes, {gemms} GEMMs", flush=True)
+    return runner, prelude, regions, [m for m in regions if kinds.get(m.key_names) == "step"]
+
+
+def one_round(runner, prelude, regions, step_regions, inputs, calls, steps) -> dict:
+    timed = runner.prelude
+    before = {id(m): m.misses for m in regions}
+    timed.times.clear()
+    miss = step_ms(runner, inputs, calls, steps)
+    miss_host, hit_host = timed.times[::calls], timed.times[1::calls]
+    misses = sorted(m.misses - before[id(m)] for m in regions)
+    timed.times.clear()
+    hit = step_ms(runner, inputs[:1], calls, steps)
+    all_hits = list(timed.times)
+    step_alone = [alone(prelude, inputs[0], step_regions) for _ in range(3)]
+    every_alone = [alone(prelude, inputs[0], regions) for _ in range(3)]
+    print(f"    misses per region in the miss steps: {misses}", flush=True)
+    return {"miss steps": miss, "hit steps": hit,
+            "miss part per call": miss - hit,
+            "prelude host, 1st call": statistics.median(miss_host),
+            "prelude host, 2nd call": statistics.median(hit_host),
+            "prelude host, hit steps": statistics.median(all_hits),
+            "step regions alone host": statistics.median(h for h, _ in step_alone),
+            "step regions alone wall": statistics.median(w for _, w in step_alone),
+            "every region alone host": statistics.median(h for h, _ in every_alone),
+            "every region alone wall": statistics.median(w for _, w in every_alone)}
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen-image")
-    p.add_argument("--fp8", action="store_true")
-    p.add_argument("--without", metavar="PASS")
-    p.add_argument("--rounds", type=int, default=4)
+    p = pair_options(__doc__)
     p.add_argument("--steps", type=int, default=6)
     args = p.parse_args()
-    cap, config, inputs, calls = workload(args.model, args.fp8)
-    if args.without:
-        config = config.replace(**{args.without: _off(args.without)})
+    gms, inputs, calls = build_pair(args)
     with torch.no_grad():
-        gm = optimize_captured(cap, config, VerifyOptions(enabled=False), None, "probe", 0.0).gm
-        runner = CudaGraphRunner(gm)
-        prelude = runner.prelude
-        runner.prelude = timed = TimedPrelude(prelude)
-        step_ms(runner, inputs, calls, 2)
-        kinds = {}  # by key names: the runner's prelude holds copies of gm's regions
-        for node in gm.graph.nodes:
-            if node.op == "call_module" and isinstance(gm.get_submodule(node.target),
-                                                        CachedRegion):
-                kinds[gm.get_submodule(node.target).key_names] = region_kind(gm, node)
-        regions = [m for m in prelude.modules() if isinstance(m, CachedRegion)]
-        for m in regions:
-            gemms = sum(1 for n in m.region.graph.nodes if "mm" in str(n.target))
-            print(f"region: {kinds.get(m.key_names, '?')}, keys {m.key_names}, "
-                  f"{len(m.region.graph.nodes)} nodes, {gemms} GEMMs", flush=True)
-        step_regions = [m for m in regions if kinds.get(m.key_names) == "step"]
-        rows = []
+        probes = {}
+        for name, gm in gms.items():
+            print(f"{name}:", flush=True)
+            probes[name] = setup(gm)
+            step_ms(probes[name][0], inputs, calls, 2)
+        rounds = []
         for r in range(args.rounds):
-            before = {id(m): m.misses for m in regions}
-            timed.times.clear()
-            miss = step_ms(runner, inputs, calls, args.steps)
-            miss_host = timed.times[::calls]
-            hit_host = timed.times[1::calls]
-            misses = {id(m): m.misses - before[id(m)] for m in regions}
-            timed.times.clear()
-            hit = step_ms(runner, inputs[:1], calls, args.steps)
-            all_hits = list(timed.times)
-            step_alone = [alone(runner, prelude, inputs[0], step_regions) for _ in range(3)]
-            every_alone = [alone(runner, prelude, inputs[0], regions) for _ in range(3)]
-            row = {"miss steps": miss, "hit steps": hit,
-                   "prelude host, 1st call": statistics.median(miss_host),
-                   "prelude host, 2nd call": statistics.median(hit_host),
-                   "prelude host, hit steps": statistics.median(all_hits),
-                   "step regions alone host": statistics.median(h for h, _ in step_alone),
-                   "step regions alone wall": statistics.median(w for _, w in step_alone),
-                   "every region alone host": statistics.median(h for h, _ in every_alone),
-                   "every region alone wall": statistics.median(w for _, w in every_alone)}
-            rows.append(row)
-            print(f"round {r}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items())
-                  + f"; misses per region in the miss steps: {sorted(misses.values())}",
-                  flush=True)
-        print("medians: " + ", ".join(f"{k} {statistics.median(x[k] for x in rows):.3f}"
-                                      for k in rows[0]))
+            row = {}
+            for name in (("all", "without") if r % 2 == 0 else ("without", "all")):
+                row[name] = one_round(*probes[name], inputs, calls, args.steps)
+                print(f"round {r} {name}: " + ", ".join(f"{k} {v:.3f}"
+                                                        for k, v in row[name].items()),
+                      flush=True)
+            rounds.append(row)
+        print(f"\nall - {args.without} less all, ms (median over {args.rounds} rounds; rounds "
+              "in brackets):")
+        for k in rounds[0]["all"]:
+            d = [x["without"][k] - x["all"][k] for x in rounds]
+            print(f"  {k}: {statistics.median(d):.3f} ({', '.join(f'{y:.3f}' for y in d)})")
 
 
 if __name__ == "__main__":
