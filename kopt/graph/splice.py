@@ -12,6 +12,11 @@ from torch.utils import _pytree as pytree
 
 from kopt.graph.query import fake_mode_of
 
+try:  # FX's graph module that generates its code when first needed (torch >= 2.2)
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _LAZY
+except ImportError:  # pragma: no cover -- a torch without it: the eager code generation
+    _LAZY = fx.GraphModule
+
 # Attributes kopt adds to a graph module (packed weights, folded constants) carry this prefix.
 KOPT_PREFIX = "_kopt_"
 
@@ -19,13 +24,16 @@ KOPT_PREFIX = "_kopt_"
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with a copied graph that shares the attributes (weights) of ``gm``.
 
-    Cheap enough to snapshot a graph before every pass: no tensor is copied.
+    Cheap enough to snapshot a graph before every pass: no tensor is copied, and its Python
+    code is generated when it is first called or read (FX's lazy graph module, as Inductor
+    uses), not at every edit: W1's 11650-node graph took 1.2 s per code generation, 31 of them
+    in one optimization (108 s on the meta device against 32 s lazily; session 25).
     """
     graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     graph._codegen = gm.graph._codegen
-    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new = _LAZY(gm, graph, class_name=type(gm).__name__)
     new.meta.update(gm.meta)
     return new
 
