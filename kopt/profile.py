@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from kopt.bench import STEADY_S as BENCH_STEADY_S
+from kopt.bench import STEADY_S
 
 PREFIX = "kopt::node::"
 ITERATION = "kopt::call::"
@@ -466,15 +466,14 @@ def replay_launches(events: Sequence[RawEvent], iters: int
     return order, replays
 
 
-# Replays run before the profiled ones, for at least this long: a few replays of a short graph
+# profile_replay replays for STEADY_S before it profiles: a few replays of a short graph
 # can end before a GPU at its power cap has lowered its clock to what longer timed calls run
 # at (H200, session 20: W1's calibration replays sampled 1980 MHz while its ablation rows,
 # timed longer, ran at 1590-1980). With it, and the clock sampled during the replays only,
 # W1's two calibration graphs read 1755 and 1605 MHz against 1725 and 1620 for the same
 # graphs' ablation rows (session 21). One second was not enough: W1's calibration replays then
 # drew 576-582 W where the same graphs drew 689-693 W after 2 s of their steps (session 25).
-# The ablation's rows run as long before they are timed (kopt.bench.STEADY_S, 3 s).
-STEADY_S = BENCH_STEADY_S
+# The ablation's rows run as long (3 s) before they are timed.
 
 
 def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution,

@@ -22,7 +22,7 @@ import time
 import torch
 
 from benchmarks.probes.hoist_miss import step_ms
-from benchmarks.probes.replay_split import build_pair, pair_options
+from benchmarks.probes.replay_split import build_pair, order, pair_options, print_differences
 from kopt.cost.counts import region_kind
 from kopt.cudagraphs import CudaGraphRunner
 from kopt.passes.hoist import CachedRegion
@@ -112,17 +112,13 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             row = {}
-            for name in (("all", "without") if r % 2 == 0 else ("without", "all")):
+            for name in order(r):
                 row[name] = one_round(*probes[name], inputs, calls, args.steps)
                 print(f"round {r} {name}: " + ", ".join(f"{k} {v:.3f}"
                                                         for k, v in row[name].items()),
                       flush=True)
             rounds.append(row)
-        print(f"\nall - {args.without} less all, ms (median over {args.rounds} rounds; rounds "
-              "in brackets):")
-        for k in rounds[0]["all"]:
-            d = [x["without"][k] - x["all"][k] for x in rounds]
-            print(f"  {k}: {statistics.median(d):.3f} ({', '.join(f'{y:.3f}' for y in d)})")
+        print_differences(rounds, rounds[0]["all"], "ms")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,21 @@ def build_pair(args: argparse.Namespace) -> tuple[dict, list, int]:
                                         0.0).gm for name, cfg in configs.items()}, inputs, calls
 
 
+def order(r: int) -> tuple[str, str]:
+    """The two graphs in round ``r``: reversed every other round, so that neither is always
+    timed first."""
+    return ("all", "without") if r % 2 == 0 else ("without", "all")
+
+
+def print_differences(rounds: list[dict], keys, what: str) -> None:
+    """Per key, the median over ``rounds`` of "without" less "all", the rounds in brackets."""
+    print(f"\n{what}, all - PASS less all (median over {len(rounds)} rounds; rounds in "
+          "brackets):")
+    for q in keys:
+        d = [r["without"].get(q, 0.0) - r["all"].get(q, 0.0) for r in rounds]
+        print(f"  {q}: {statistics.median(d):.3f} ({', '.join(f'{x:.3f}' for x in d)})")
+
+
 def timed(graph: torch.cuda.CUDAGraph) -> tuple[float, object]:
     """Median ms of a bare replay, and the clock it ran at."""
     with ClockSampler("cuda") as s:
@@ -152,7 +167,7 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             row: dict[str, dict] = {}
-            for name in (("all", "without") if r % 2 == 0 else ("without", "all")):
+            for name in order(r):
                 ms, clk = timed(runners[name].graph)
                 prof = profiled(gms[name], flat)
                 if args.calibration:
@@ -175,12 +190,9 @@ def main() -> None:
                       f"{v.get('calibration', 0):.3f}; miss prelude host {v['miss host']:.3f}, "
                       f"wall {v['miss wall']:.3f}", flush=True)
             rounds.append(row)
-    print(f"\nms per replay, all - {args.without} less all (median over {args.rounds} rounds; "
-          "rounds in brackets):")
-    for q in ("timed", "in profile", "calibration", "span", "kernels", "gaps", "launches", "gemm",
-              "attention", "other", "miss host", "miss wall", "mhz", "w"):
-        d = [r["without"].get(q, 0.0) - r["all"].get(q, 0.0) for r in rounds]
-        print(f"  {q}: {statistics.median(d):.3f} ({', '.join(f'{x:.3f}' for x in d)})")
+    print_differences(rounds, ("timed", "in profile", "calibration", "span", "kernels", "gaps",
+                               "launches", "gemm", "attention", "other", "miss host",
+                               "miss wall", "mhz", "w"), "ms per replay")
     names = defaultdict(lambda: [0.0, 0.0])
     for r in rounds:
         for i, g in enumerate(("all", "without")):

@@ -20,14 +20,13 @@ only profiles calls that hit the caches, never sees).
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.probes.replay_split import build_pair, pair_options
+from benchmarks.probes.replay_split import build_pair, order, pair_options, print_differences
 from kopt.ablate import stepper
 from kopt.bench import median_ms
 from kopt.cudagraphs import CudaGraphRunner
@@ -47,7 +46,7 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             row: dict[str, dict[str, float]] = {}
-            for name in (("all", "without") if r % 2 == 0 else ("without", "all")):
+            for name in order(r):
                 v: dict[str, float] = {}
                 step = stepper(itertools.cycle(inputs), calls)
                 v["eager"] = median_ms(lambda g=gms[name], st=step: st(g), args.iters, args.warmup,
@@ -68,11 +67,7 @@ def main() -> None:
                 print(f"round {r} {name}: " + ", ".join(f"{k} {x:.2f}" for k, x in v.items()),
                       flush=True)
             rounds.append(row)
-        print(f"\nms per call, all - {args.without} less all (median over {args.rounds} "
-              "rounds; rounds in brackets):")
-        for q in rounds[0]["all"]:
-            d = [x["without"][q] - x["all"][q] for x in rounds]
-            print(f"  {q}: {statistics.median(d):.3f} ({', '.join(f'{y:.3f}' for y in d)})")
+        print_differences(rounds, rounds[0]["all"], "ms per call")
         print("\none miss of the hoisted regions, profiled (us of kernels by name):")
         for name, runner in runners.items():
             for m in runner.prelude.modules():
