@@ -66,10 +66,11 @@ def step_ms(runner: CudaGraphRunner, inputs: list, calls: int, steps: int) -> fl
     return median_ms(lambda: step(runner), steps, 3, "cuda") / calls
 
 
-def workload(model: str, fp8: bool) -> tuple[Captured, PassConfig, list, int]:
-    """The model's capture on the GPU, the ablation's config (FP8 where asked), its steps'
-    inputs and calls per step."""
-    w = build(model, device="cuda", dtype=torch.bfloat16)
+def workload(model: str, fp8: bool, device: str = "cuda"
+             ) -> tuple[Captured, PassConfig, list, int]:
+    """The model's capture on ``device`` (the GPU; ``meta``: shapes only), the ablation's
+    config (FP8 where asked), its steps' inputs and calls per step."""
+    w = build(model, device=device, dtype=torch.bfloat16)
     cap = capture_module(w.model, w.args, w.kwargs)
     config = PassConfig(fuse_allreduce_norm=False)
     if fp8:

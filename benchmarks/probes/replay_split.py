@@ -72,10 +72,10 @@ def pair_options(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def build_pair(args: argparse.Namespace) -> tuple[dict, list, int]:
-    """The optimized "all" and "without" (all - ``args.without``) graphs of the workload, its
-    steps' inputs and calls per step."""
-    cap, config, inputs, calls = workload(args.model, args.fp8)
+def build_pair(args: argparse.Namespace, device: str = "cuda") -> tuple[dict, list, int]:
+    """The optimized "all" and "without" (all - ``args.without``) graphs of the workload on
+    ``device``, its steps' inputs and calls per step."""
+    cap, config, inputs, calls = workload(args.model, args.fp8, device)
     configs = {"all": config, "without": config.replace(**{args.without: _off(args.without)})}
     with torch.no_grad():
         return {name: optimize_captured(cap, cfg, VerifyOptions(enabled=False), None, name,

@@ -1,7 +1,7 @@
 """All of kopt's kernel benchmarks in one run, each in its own process (a failure or an OOM in
 one family does not lose the others), results as JSON in one folder.
 
-    python benchmarks/kernels.py --out-dir results/kernels [--workload W1] [--only rowwise,gemm]
+    python benchmarks/kernels_all.py --out-dir results/kernels [--workload W1] [--only rowwise,gemm]
 
 Families: ``rowwise`` (norm/residual/modulation + quantization template, FP8/NVFP4 producers:
 benchmarks/kernels_rowwise.py), ``gemm`` (FP8 GEMM template vs torch._scaled_mm, fused

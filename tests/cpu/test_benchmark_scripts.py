@@ -1,0 +1,30 @@
+"""``python benchmarks/X.py`` puts ``benchmarks/`` first on ``sys.path``: a script named like a
+top-level module shadows that module for every library the script imports. transformers 5.25
+installs Hugging Face's ``kernels``, which diffusers then imports; ``benchmarks/kernels.py``
+made every benchmark script fail to import diffusers (CI, session 26)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# top-level modules of packages kopt's dependencies import optionally: they shadow whether or
+# not they are installed here
+OPTIONAL = {"kernels", "peft", "accelerate", "bitsandbytes", "safetensors", "sentencepiece",
+            "triton", "flash_attn", "xformers", "sglang", "vllm", "matplotlib", "rich", "tqdm"}
+
+
+def _scripts() -> list[Path]:
+    return sorted(p for d in ("benchmarks", "benchmarks/probes") for p in (ROOT / d).glob("*.py")
+                  if p.stem != "__init__")
+
+
+def test_no_benchmark_script_shadows_a_module() -> None:
+    installed = set(importlib.metadata.packages_distributions())
+    taken = installed | set(sys.stdlib_module_names) | OPTIONAL
+    scripts = _scripts()
+    assert len(scripts) > 20  # the glob found them
+    clashes = sorted(str(p.relative_to(ROOT)) for p in scripts if p.stem in taken)
+    assert not clashes, f"scripts named like an importable module: {clashes}"
