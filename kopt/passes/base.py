@@ -7,6 +7,7 @@ benefit order, skipping sites that overlap an earlier rewrite or that a guard re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import time
@@ -78,6 +79,35 @@ class Pass:
         return ""
 
 
+# rounds of finding a rewrite's sites again after their inputs were rewritten (a chain of
+# matched linears needs one per link)
+MAX_ROUNDS = 8
+
+
+def _nodes_in(value: Any, depth: int = 3) -> list[fx.Node]:
+    """The graph nodes in a match binding: a node, or nodes in tuples, lists, dicts and
+    dataclasses of them (``depth`` levels)."""
+    if isinstance(value, fx.Node):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, (tuple, list)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    else:
+        return []
+    return [n for v in items for n in _nodes_in(v, depth - 1)]
+
+
+def refers_to_erased(match: Match) -> bool:
+    """Whether ``match`` holds a node an earlier rewrite erased from the graph."""
+    refs = [match.anchor, *match.nodes, *match.outputs, *_nodes_in(match.bindings)]
+    return any(getattr(n, "_erased", False) for n in refs)
+
+
 class RewritePass(Pass):
     """Applies its rewrites, most beneficial first, each site at most once."""
 
@@ -101,26 +131,44 @@ class RewritePass(Pass):
         site_nodes: list[tuple[str, ...]] = []
         rejections: list[Rejection] = []
         for rewrite in self.rewrites:
-            for found in list(rewrite.find(gm)):
-                if isinstance(found, Rejection):
-                    rejections.append(found)
-                    continue
-                match: Match = found
-                if taken.intersection(match.nodes):
-                    rejections.append(Rejection(rewrite.name, match.site,
-                                                "overlaps a site of a higher-benefit rewrite"))
-                    continue
-                if sites is not None and match.site not in sites:
-                    continue
-                reason = rewrite.guard(gm, match)
-                if reason is not None:
-                    rejections.append(Rejection(rewrite.name, match.site, reason))
-                    continue
-                details.append(rewrite.describe(match))
-                site_nodes.append(tuple(n.name for n in match.nodes))
-                rewrite.apply(gm, match)
-                taken.update(match.nodes)
-                applied.append(match.site)
+            # A site found before an earlier site of this rewrite replaced one of its inputs
+            # (fp8 on a linear that reads another linear: the first one's rewrite erases the
+            # node the second's match holds) is found again on the rewritten graph.
+            again: set[str] | None = None  # the first round: every site
+            for _ in range(MAX_ROUNDS):
+                stale: set[str] = set()
+                for found in list(rewrite.find(gm)):
+                    if isinstance(found, Rejection):
+                        if again is None:
+                            rejections.append(found)
+                        continue
+                    match: Match = found
+                    if again is not None and match.site not in again:
+                        continue
+                    if taken.intersection(match.nodes):
+                        rejections.append(Rejection(rewrite.name, match.site, "overlaps a site "
+                                                    "of a higher-benefit rewrite"))
+                        continue
+                    if sites is not None and match.site not in sites:
+                        continue
+                    if refers_to_erased(match):
+                        stale.add(match.site)
+                        continue
+                    reason = rewrite.guard(gm, match)
+                    if reason is not None:
+                        rejections.append(Rejection(rewrite.name, match.site, reason))
+                        continue
+                    details.append(rewrite.describe(match))
+                    site_nodes.append(tuple(n.name for n in match.nodes))
+                    rewrite.apply(gm, match)
+                    taken.update(match.nodes)
+                    applied.append(match.site)
+                if not stale or stale == again:  # nothing stale, or no progress
+                    break
+                again = stale
+            rejections += [Rejection(rewrite.name, site, "an earlier site of this rewrite "
+                                     "replaced its inputs, and it was not found again")
+                           for site in sorted(stale)]
         stable_topo_sort(gm.graph)
         eliminate_dead(gm)
         counted = Counter(r.reason for r in rejections if not r.near_miss)

@@ -1,12 +1,20 @@
-"""Remove copies that only exist because the graph is functional.
+"""Remove copies that only exist because the graph is functional, and casts that name a tensor
+they do not read.
 
     # clone(x) -> x          (x dense: the copy has x's strides; nothing mutates either)
     # dropout(x, p, False) -> x
+    # type_as(x, y) -> x                     (x already has y's dtype)
+    # type_as(x, y) -> _to_copy(x, dtype=d)  (d: y's dtype; the form x.to(d) exports as)
 
 ``torch.export`` traces ``F.dropout(x, p, training=False)`` -- every dropout of a model in eval
 mode -- as ``aten.clone``: a full read and write of the activation that eager mode never does
 (dropout returns its input). On Qwen-Image at 1024x1024 the copies after the attention and
 feed-forward outputs cost 3.6 ms per forward on an H200 (benchmarks/RESULTS.md).
+
+``type_as(x, y)`` reads ``y`` for its dtype alone, but in the graph it is an edge from ``y``:
+Gemma's RMSNorm ends ``out.type_as(x)`` with ``x`` the norm's own input, so a fusion of
+residual + norm saw its output read its intermediate and gave up (the zoo's Gemma 2 and 3,
+session 27). As a cast of ``x`` alone, it is what ``x.to(d)`` (Llama's, Qwen3's norms) is.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def noop_input(node: fx.Node) -> fx.Node | str | None:
-    """The node a no-op copy can be replaced by, or the reason it cannot (None: not a copy)."""
+def noop_input(node: fx.Node) -> fx.Node | torch.dtype | str | None:
+    """The node a no-op copy can be replaced by, the dtype a ``type_as`` casts to, or the
+    reason it cannot be replaced (None: neither a copy nor a ``type_as``)."""
     if node.op != "call_function":
         return None
     if node.target is aten.dropout.default:
@@ -42,6 +51,8 @@ def noop_input(node: fx.Node) -> fx.Node | str | None:
         return node.args[0] if train is False else "dropout in training mode"
     if node.target is aten.alias.default:
         return node.args[0]
+    if node.target is aten.type_as.default:
+        return _cast(node)
     if node.target is not aten.clone.default:
         return None
     src = node.args[0]
@@ -57,14 +68,35 @@ def noop_input(node: fx.Node) -> fx.Node | str | None:
     return src
 
 
+def _cast(node: fx.Node) -> fx.Node | torch.dtype | str | None:
+    """``type_as(x, y)``: x (y's dtype already), y's dtype (a cast), or why neither."""
+    x, y = node.args[:2]
+    vals = [getattr(a, "meta", {}).get("val") for a in (x, y)]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    if vals[0].device != vals[1].device:
+        return "type_as moves the tensor to another device"
+    if vals[0].dtype == vals[1].dtype:
+        if x.op in ("placeholder", "get_attr") and any(u.op == "output" for u in node.users):
+            return "type_as of a graph input returned: the output would be the caller's tensor"
+        return x  # eager returns x itself
+    return vals[1].dtype
+
+
 class RemoveNoOps(NodeSitePass):
     name = "remove_noops"
-    numerics = exact("a copy of a value is the value")
+    numerics = exact("a copy of a value is the value; a cast is the same cast")
 
-    def find(self, node: fx.Node) -> fx.Node | str | None:
+    def find(self, node: fx.Node) -> fx.Node | torch.dtype | str | None:
         return noop_input(node)
 
-    def apply(self, gm: fx.GraphModule, node: fx.Node, found: fx.Node) -> None:
+    def apply(self, gm: fx.GraphModule, node: fx.Node, found: fx.Node | torch.dtype) -> None:
+        if isinstance(found, torch.dtype):  # type_as(x, y) -> x.to(y's dtype)
+            with gm.graph.inserting_before(node):
+                found_node = gm.graph.call_function(aten._to_copy.default, (node.args[0],),
+                                                    {"dtype": found})
+            found_node.meta = dict(node.meta)
+            found = found_node
         node.replace_all_uses_with(found)
 
 def reinplace_site(node: fx.Node) -> tuple[fx.Node, fx.Node] | str | None:

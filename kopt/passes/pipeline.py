@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +22,7 @@ from torch import fx
 
 from kopt.graph import copy_graph_module
 from kopt.kb.verdicts import pipeline_run
-from kopt.passes.base import Pass, PassResult, RewritePass, Verdict
+from kopt.passes.base import Pass, PassResult, RewritePass, Verdict, count_nodes
 from kopt.passes.cat import CatRows
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
@@ -47,6 +49,10 @@ if TYPE_CHECKING:
     from kopt.cost import CostModel, PassPrediction, Ranking
 
 log = logging.getLogger("kopt")
+
+# set to 1, a pass that raises stops the optimization (the tests set it); otherwise the pass is
+# left out and the report says why
+STRICT = "KOPT_STRICT"
 
 # (PassConfig field, factory of the pass from the config) in pipeline order.
 PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
@@ -124,7 +130,15 @@ class PassManager:
                 results.append(skipped)
                 continue
             candidate = copy_graph_module(gm)
-            result = p.run(candidate)
+            start = time.perf_counter()
+            try:
+                result = p.run(candidate)
+                candidate.graph.lint()  # every node's inputs in the graph, in order
+            except Exception as exc:
+                if os.environ.get(STRICT) == "1":
+                    raise
+                results.append(self._raised(p, gm, exc, time.perf_counter() - start))
+                continue
             if self.cost is not None:
                 candidate, result = self._gate(p, i, gm, candidate, result)
             verdict = None
@@ -149,6 +163,21 @@ class PassManager:
         if self.cost is not None:
             self.ranking = self.cost.ranking(captured, gm, self.predictions)
         return gm, results
+
+    @staticmethod
+    def _raised(p: Pass, gm: fx.GraphModule, exc: Exception, seconds: float) -> PassResult:
+        """The result of a pass that raised (a bug in it, or a graph it does not handle): the
+        graph before it is kept, and the report and the knowledge base say why."""
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        log.warning("kopt: %s raised %s; it is not applied (the graph before it is kept)",
+                    p.name, what, exc_info=True)
+        n = count_nodes(gm)
+        return PassResult(p.name, 0, {}, n, n, seconds,
+                          notes=(f"not applied: the pass raised {what} (a kopt bug: please "
+                                 f"report it; {STRICT}=1 raises it)",),
+                          verdict=Verdict(False, p.numerics.tier, f"the pass raised {what}",
+                                          unverifiable=True))
 
     def _gate(
         self, p: Pass, i: int, gm: fx.GraphModule, candidate: fx.GraphModule,

@@ -28,3 +28,21 @@ def test_no_benchmark_script_shadows_a_module() -> None:
     assert len(scripts) > 20  # the glob found them
     clashes = sorted(str(p.relative_to(ROOT)) for p in scripts if p.stem in taken)
     assert not clashes, f"scripts named like an importable module: {clashes}"
+
+
+def test_every_benchmark_script_imports_without_running() -> None:
+    """Scripts and probes run only on the GPU machine, and many import kopt's private helpers
+    (``kopt.ablate._measure``): a rename in kopt breaks them with nothing on CPU to say so.
+    Each must import here, and do its work only under ``if __name__ == "__main__"`` (a probe
+    that ran at import touched CUDA: session 27)."""
+    import importlib
+
+    failed = {}
+    for p in _scripts():
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 -- every script's failure, named
+            failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        assert '__name__ == "__main__"' in p.read_text(), f"{name} has no main guard"
+    assert not failed, failed

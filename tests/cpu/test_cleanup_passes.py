@@ -48,6 +48,28 @@ def test_remove_noops_drops_eval_dropout_copies_only() -> None:
     assert result.rejected == {"input is not dense: the copy changes strides": 1}
 
 
+class Casts(nn.Module):
+    """Gemma's RMSNorm: computed in fp32, cast back with ``type_as`` of its own input."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = x.float()
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return n.type_as(x), (x * 3).type_as(x), x.type_as(x)
+
+
+def test_remove_noops_turns_type_as_into_a_cast_of_one_tensor() -> None:
+    before, after, result = _check_exact(RemoveNoOps(), Casts(),
+                                         torch.randn(4, 8, dtype=torch.bfloat16))
+    assert _count(before, aten.type_as.default) == 3
+    assert result.matched == 2 and _count(after, aten.type_as.default) == 1
+    assert result.rejected == {
+        "type_as of a graph input returned: the output would be the caller's tensor": 1}
+    casts = [n for n in after.graph.nodes if n.target is aten._to_copy.default
+             and n.kwargs == {"dtype": torch.bfloat16}]
+    assert len(casts) == 1  # the norm's: it no longer reads x
+    assert casts[0].args[0].target is aten.mul.Tensor
+
+
 def test_remove_noops_keeps_copies_of_inputs_and_outputs() -> None:
     class M(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -336,6 +336,11 @@ def check_args(
         if qs.dim() != 4 or ks.dim() != 4:
             raise ValueError("segments are [batch, seq, heads, head_dim]")
         if qs.shape[0] != b or ks.shape[0] != b or qs.shape[1] != ks.shape[1]:
+            if qs.shape[2] == ks.shape[2] and qs.stride(1) < qs.stride(2):
+                raise ValueError(
+                    f"segment {i}: q {list(qs.shape)} and k {list(ks.shape)} are "
+                    "[batch, heads, seq, head_dim] views (normed after the transpose to "
+                    "heads first); the op takes [batch, seq, heads, head_dim]")
             raise ValueError(f"segment {i}: q {list(qs.shape)} and k {list(ks.shape)} differ "
                              "in batch or sequence length")
         if qs.shape[3] != d or ks.shape[3] != d or qs.shape[2] != q[0].shape[2] \
