@@ -116,6 +116,8 @@ class _Upcast(fx.Interpreter):
         kwargs = pytree.tree_map(_dtype64, pytree.tree_map(_to64, kwargs))
         if target is torch.ops.aten._scaled_mm.default:
             return _scaled_mm64(*args, **kwargs)
+        if target is torch.ops.aten._grouped_mm.default:
+            return _grouped_mm64(*args, **kwargs)
         if target in FP64_REFERENCES:
             return FP64_REFERENCES[target](*args, **kwargs)
         return super().call_function(target, args, kwargs)
@@ -196,6 +198,30 @@ def _scaled_mm64(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     if bias is not None:
         out = out + bias.double()
     return out * scale_result.double() if scale_result is not None else out
+
+
+def _grouped_mm64(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, out_dtype: Any = None) -> torch.Tensor:
+    """``torch._grouped_mm`` in fp64 (its kernels take no fp64: transformers' MoE experts run
+    on it). ``offs`` holds the groups' cumulative end offsets along the dimension the
+    operands' ranks name: 2d x 3d, rows of ``a`` (group g times ``b[g]``); 3d x 2d, columns
+    of ``b``; 2d x 2d, the shared K (one output per group); 3d x 3d, no ``offs`` (a batch)."""
+    if a.dim() == 3 and b.dim() == 3:
+        out = a @ b
+    else:
+        ends = [int(e) for e in offs.tolist()]
+        starts = [0, *ends[:-1]]
+        if a.dim() == 2 and b.dim() == 3:
+            out = a.new_zeros((a.shape[0], b.shape[-1]))
+            for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+                out[s:e] = a[s:e] @ b[g]
+        elif a.dim() == 3 and b.dim() == 2:
+            out = a.new_zeros((a.shape[1], b.shape[-1]))
+            for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+                out[:, s:e] = a[g] @ b[:, s:e]
+        else:
+            out = torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends, strict=True)])
+    return out + bias if bias is not None else out
 
 
 def _to64(x: Any) -> Any:

@@ -14,9 +14,11 @@ rewrite that drops one changes the output.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from kopt.models._common import Workload, init_random_
@@ -161,8 +163,21 @@ ZOO: dict[str, Callable[[int], Workload]] = {
 }
 
 
-def build(name: str, seed: int = 0) -> Workload:
-    """The zoo's model ``name`` (one of :data:`ZOO`), weights and inputs drawn from ``seed``."""
+def build(name: str, seed: int = 0, *, device: str | torch.device = "cpu",
+          dtype: torch.dtype = torch.float32) -> Workload:
+    """The zoo's model ``name`` (one of :data:`ZOO`), weights and inputs drawn from ``seed`` (on
+    the CPU in fp32, then moved to ``device`` and floating-point tensors cast to ``dtype``)."""
     if name not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; valid names: {', '.join(ZOO)}")
-    return ZOO[name](seed)
+    w = ZOO[name](seed)
+    if torch.device(device) == torch.device("cpu") and dtype == torch.float32:
+        return w
+
+    def move(x: object) -> object:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.to(device, dtype) if x.is_floating_point() else x.to(device)
+
+    w.model.to(device, dtype)
+    return dataclasses.replace(w, args=tuple(pytree.tree_map(move, list(w.args))),
+                               kwargs=pytree.tree_map(move, w.kwargs))

@@ -284,7 +284,20 @@ def find_act(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
 
 def why_not_act(gm: fx.GraphModule, match: Match) -> str | None:
     b = match.bindings
-    return _still_needed((b["silu"], b["act"]), (b["act"], b["cat"])) or _operands_problem(b)
+    return (_still_needed((b["silu"], b["act"]), (b["act"], b["cat"])) or _operands_problem(b)
+            or _layout_problem(b["cat"] if b["cat"] is not None else b["act"]))
+
+
+def _layout_problem(out: fx.Node) -> str | None:
+    """The fused op writes a contiguous tensor; where the unfused op wrote another layout
+    (Sana's GLU in channels-last: the product follows its inputs' strides), the consumer (a
+    convolution) may take another kernel with other roundings (the zoo's Sana in bf16 on the
+    CPU, session 27): not exact."""
+    v = tensor_meta(out)
+    if v.is_contiguous():
+        return None
+    return (f"the unfused op writes strides {list(v.stride())}, the fused op a contiguous "
+            "tensor: its consumers may round differently")
 
 
 def fuse_act(gm: fx.GraphModule, match: Match) -> None:
