@@ -2,12 +2,12 @@
 diffusers DiTs and transformers LLMs other than the reference workloads), optimized and
 verified on the CPU.
 
-    python benchmarks/generality.py [--fp8] [--only NAME ...] [--json out.json]
+    python benchmarks/generality.py [--dtype bf16] [--fp8] [--only NAME ...] [--json out.json]
 
 Per model: what kopt captured, which passes rewrote how many sites, which were reverted by
-verification (and why), and the optimized output's error against the eager model's (fp32; the
-FP8 rows against the model's own FP8-free output, so their error is the FP8 recipe's). A model
-kopt cannot capture is reported with the error kopt raised; the eager model keeps working.
+verification (and why), and the optimized output's error against the eager model's in the same
+dtype (the FP8 rows' error is then the FP8 recipe's). A model kopt cannot capture is reported
+with the error kopt raised; the eager model keeps working.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ class Outcome:
     detail: str = ""
 
 
-def run(name: str, fp8: bool) -> Outcome:
-    w = build(name)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def run(name: str, fp8: bool, dtype: torch.dtype = torch.float32) -> Outcome:
+    w = build(name, dtype=dtype)
     model, args, kwargs = w.model, w.args, w.kwargs
     with torch.no_grad():
         expected = main_output(model(*args, **kwargs)).clone()
@@ -70,13 +73,14 @@ def run(name: str, fp8: bool) -> Outcome:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fp8", action="store_true", help="also with FP8 (min_features 16)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--only", nargs="*", choices=sorted(ZOO), default=None)
     p.add_argument("--json", help="write the outcomes here")
     args = p.parse_args()
     outcomes = []
     for name in args.only or ZOO:
         for fp8 in (False, True) if args.fp8 else (False,):
-            o = run(name, fp8)
+            o = run(name, fp8, DTYPES[args.dtype])
             outcomes.append(o)
             print(f"{o.model}{' fp8' if o.fp8 else ''}: {o.status} in {o.seconds:.1f} s"
                   + (f", {o.nodes} nodes, error {o.error:.2e}" if o.error is not None else "")

@@ -178,6 +178,17 @@ def build(name: str, seed: int = 0, *, device: str | torch.device = "cpu",
             return x
         return x.to(device, dtype) if x.is_floating_point() else x.to(device)
 
-    w.model.to(device, dtype)
+    # as from_pretrained loads them: the modules a model keeps in fp32 (Wan's norms, time
+    # embedder, RoPE and modulation table) stay there. nn.Module.to: diffusers' own warns.
+    nn.Module.to(w.model, device, dtype)
+    keep = getattr(w.model, "_keep_in_fp32_modules", None) or ()
+    for prefix, module in w.model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                name = f"{prefix}.{key}" if prefix else key
+                if t is not None and t.is_floating_point() and \
+                        any(k in name.split(".") for k in keep):
+                    table[key] = nn.Parameter(t.detach().float(), requires_grad=False) \
+                        if isinstance(t, nn.Parameter) else t.float()
     return dataclasses.replace(w, args=tuple(pytree.tree_map(move, list(w.args))),
                                kwargs=pytree.tree_map(move, w.kwargs))

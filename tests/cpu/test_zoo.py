@@ -91,7 +91,7 @@ def test_qk_norm_after_the_transpose_is_rejected_with_its_layout() -> None:
     assert "[batch, heads, seq, head_dim] views" in next(iter(qk.rejected))
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "sana", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "sana", "gemma3", "wan2.1"])
 def test_zoo_model_in_bf16_verifies_every_pass(name: str) -> None:
     """bf16 found two things fp32 hid (session 27): Qwen3-MoE's experts run on
     ``aten._grouped_mm``, which has no fp64 kernel, so the fp64 reference failed and every
