@@ -170,8 +170,6 @@ def build(name: str, seed: int = 0, *, device: str | torch.device = "cpu",
     if name not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; valid names: {', '.join(ZOO)}")
     w = ZOO[name](seed)
-    if torch.device(device) == torch.device("cpu") and dtype == torch.float32:
-        return w
 
     def move(x: object) -> object:
         if not isinstance(x, torch.Tensor):

@@ -5,6 +5,7 @@ made every benchmark script fail to import diffusers (CI, session 26)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import sys
 from pathlib import Path
@@ -35,8 +36,6 @@ def test_every_benchmark_script_imports_without_running() -> None:
     (``kopt.ablate._measure``): a rename in kopt breaks them with nothing on CPU to say so.
     Each must import here, and do its work only under ``if __name__ == "__main__"`` (a probe
     that ran at import touched CUDA: session 27)."""
-    import importlib
-
     failed = {}
     for p in _scripts():
         name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
