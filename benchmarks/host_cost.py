@@ -1,75 +1,140 @@
-"""Host time per launch of each op of an optimized graph, with and without a drained queue.
+"""Host time per call of each kind of kopt fused op, next to a plain ``torch.add``.
 
-    python benchmarks/host_cost.py --model qwen-image --fp8 [--shape KEY=VALUE ...]
+    python benchmarks/host_cost.py [--model qwen-image-tiny] [--calls 2000] [--json PATH]
 
-The calibration (:func:`kopt.profile.host_times`) times each node's call as the graph runs.
-On a device-bound graph the launch queue fills and a launch then waits for the device, so
-those times can hold device time. This script times every node twice: as the calibration
-does, and with the device drained before each node (``torch.cuda.synchronize()`` outside the
-timed span), which leaves the host's own cost; then once more after a profiler session in
-the same process (the calibration profiles before it times). It prints the three per op
-(median per node, us) and the graph's time per call (least of ``--iters`` calls) before and
-after the profiler.
+The model is optimized with FP8 on every linear (``FP8Config(min_features=16)``) and kopt's
+Triton GEMM (``triton_gemm``), so that its graph holds one op of every kind: row-wise
+(residual + norm + modulation + quantization), act + quant, quant, QK-norm + RoPE, cat and
+GEMM. For the first node of each op the script takes the arguments it gets in the optimized
+graph, then times back-to-back calls of
+
+- the op through the dispatcher, as the optimized graph calls it (``torch.ops.kopt.*``);
+- the op as the execution plan calls it (:class:`kopt.codegen.launch.DirectOp`: its first
+  call recorded, then replayed), and whether it is replayed;
+- ``torch.add`` of the op's first input with itself.
+
+The tiny model's kernels take the device a few microseconds, so back-to-back calls are bound by
+the host: the wall time over ``--calls`` calls is the host time per call (the median of
+``--rounds`` rounds). Run it on the machine whose host you want measured (``--device cpu``: a
+smoke run; the plan's CPU form inlines the op, so there only the dispatcher is timed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
-from collections import defaultdict
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import fx
 
-from kopt.api import optimize_captured
-from kopt.capture import capture_module
-from kopt.cli import parse_shape
-from kopt.cost.calibrate import best_ms
+import kopt
+from kopt.capture import flatten_inputs
+from kopt.codegen.launch import DirectOp
+from kopt.codegen.ops import CUDA_IMPLS
 from kopt.models import build
-from kopt.passes.config import FP8Config, PassConfig
-from kopt.profile import host_times, profile_graph
-from kopt.verify import VerifyOptions
+from kopt.runtime import _positional
+
+KINDS = {  # op name -> the kind the table shows
+    "rowwise": "row-wise", "act_quant_fp8_rowwise": "act + quant",
+    "cat_act_quant_fp8_rowwise": "cat + act + quant", "act_quant_fp8_group": "act + quant",
+    "quant_fp8_rowwise": "quant", "quant_fp8_group": "quant", "qk_norm_rope": "QK-norm + RoPE",
+    "cat_rows": "cat", "fp8_gemm": "GEMM", "bf16_gemm": "GEMM", "fused_act": "activation",
+}
 
 
-def per_op(gm: fx.GraphModule, times: dict[str, float]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = defaultdict(list)
-    for n in gm.graph.nodes:
-        if n.name in times:
-            out[str(n.target)].append(times[n.name] * 1e3)
-    return out
+def first_calls(gm: fx.GraphModule, inputs: list[Any]) -> dict[Any, tuple]:
+    """The positional arguments of the first call of each kopt op in ``gm`` (hoisted regions
+    included), as the graph passes them."""
+    seen: dict[Any, tuple] = {}
+
+    class Record(fx.Interpreter):
+        def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+            if getattr(target, "namespace", None) == "kopt" and target not in seen:
+                seen[target] = _positional(target, args, kwargs)
+            return super().call_function(target, args, kwargs)
+
+        def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+            module = self.module.get_submodule(target)
+            region = getattr(module, "region", None)
+            if isinstance(region, fx.GraphModule):
+                return Record(region).run(*args)
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        Record(gm).run(*inputs)
+    return seen
 
 
-def main() -> None:
+def host_us(fn: Callable[[], object], calls: int, rounds: int, cuda: bool) -> float:
+    """Median over ``rounds`` of the wall time per call of ``calls`` back-to-back calls."""
+    for _ in range(20):
+        fn()
+    per = []
+    for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+        if cuda:
+            torch.cuda.synchronize()
+    return statistics.median(per)
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen-image")
-    p.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu: a smoke run")
-    p.add_argument("--fp8", action="store_true")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--min-nodes", type=int, default=3)
-    args = p.parse_args()
-    w = build(args.model, device=args.device, dtype=torch.bfloat16, **parse_shape(args.shape))
-    cap = capture_module(w.model, w.args, w.kwargs)
-    config = PassConfig()
-    if args.fp8:
-        config = config.replace(fp8=FP8Config())
-    gm = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0).gm
-    inputs = list(cap.example_inputs)
-    wall = best_ms(gm, inputs, args.iters)
-    queued = per_op(gm, host_times(gm, inputs, args.iters))
-    drained = per_op(gm, host_times(gm, inputs, args.iters, drain=True))
-    profile_graph(gm, inputs, iters=3)
-    after = per_op(gm, host_times(gm, inputs, args.iters))
-    wall_after = best_ms(gm, inputs, args.iters)
-    print(f"{w.description}: ms per call {wall:.2f} before the profiler, {wall_after:.2f} "
-          f"after; host us per node, median over the op's nodes (least of {args.iters} calls)")
-    print(f"{'op':44s} {'nodes':>6s} {'as run':>9s} {'drained':>9s} {'profiled':>9s}")
-    rows = sorted(drained, key=lambda op: -sum(drained[op]))
-    for op in rows:
-        if len(drained[op]) < args.min_nodes:
-            continue
-        print(f"{op[:44]:44s} {len(drained[op]):6d} {statistics.median(queued[op]):9.1f} "
-              f"{statistics.median(drained[op]):9.1f} {statistics.median(after[op]):9.1f}")
+    p.add_argument("--model", default="qwen-image-tiny")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    w = build(args.model, device=args.device, dtype=torch.bfloat16)
+    config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16), triton_gemm=cuda)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, config, cuda_graphs=False,
+                        verify=kopt.VerifyOptions(enabled=False))
+    flat, _ = flatten_inputs(w.args, w.kwargs)
+    calls = first_calls(opt.graph_module, list(flat))
+    rows = []
+    with torch.no_grad():
+        for op, op_args in calls.items():
+            name = op._schema.name.split("::")[1]
+            first = next(a for a in torch.utils._pytree.tree_leaves(op_args)
+                         if isinstance(a, torch.Tensor))
+            row: dict[str, Any] = {"op": f"kopt::{name}", "kind": KINDS.get(name, name)}
+            row["dispatcher_us"] = host_us(lambda op=op, a=op_args: op(*a), args.calls,
+                                           args.rounds, cuda)
+            if cuda and op in CUDA_IMPLS:
+                direct = DirectOp(op, CUDA_IMPLS[op], f"kopt_{name}")
+                direct(*op_args)  # recorded
+                row["replayed"] = direct.direct
+                row["why_not"] = direct.why_not
+                row["plan_us"] = host_us(lambda d=direct, a=op_args: d(*a), args.calls,
+                                         args.rounds, cuda)
+            row["torch_add_us"] = host_us(lambda x=first: torch.add(x, x), args.calls,
+                                          args.rounds, cuda)
+            rows.append(row)
+    host = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"host time per call, us (median of {args.rounds} rounds of {args.calls} calls; "
+          f"{w.name} in bf16 on {host}, torch {torch.__version__})")
+    print(f"{'kind':18s} {'op':34s} {'dispatcher':>10s} {'plan':>8s} {'torch.add':>9s}  replayed")
+    for r in sorted(rows, key=lambda r: r["kind"]):
+        plan = f"{r['plan_us']:8.1f}" if "plan_us" in r else f"{'-':>8s}"
+        replayed = ("yes" if r.get("replayed") else f"no: {r.get('why_not')}") \
+            if "replayed" in r else "-"
+        print(f"{r['kind']:18s} {r['op']:34s} {r['dispatcher_us']:10.1f} {plan} "
+              f"{r['torch_add_us']:9.1f}  {replayed}")
+    if args.json:
+        args.json.write_text(json.dumps({"device": host, "torch": torch.__version__,
+                                         "model": w.name, "rows": rows}, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -8,10 +8,11 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kopt.capture import (
     Captured,
@@ -20,13 +21,14 @@ from kopt.capture import (
     flatten_inputs,
     input_signature,
 )
-from kopt.cudagraphs import CudaGraphRunner, replay_region
+from kopt.cudagraphs import CudaGraphRunner, NotCapturable, not_capturable, replay_region
 from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
 from kopt.passes.hoist import CachedRegion, cached_regions
 from kopt.passes.pipeline import format_pass_line
+from kopt.runtime import ExecutionPlan, build_plan
 from kopt.verify import VerifyOptions
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ log = logging.getLogger("kopt")
 MAX_SPECIALIZATIONS = 8
 # Sites listed per pass in a report unless verbose.
 DETAIL_LINES = 8
+
+CudaGraphs = bool | Literal["auto"]
 
 
 @dataclass
@@ -51,6 +55,8 @@ class Report:
     passes: list[PassResult] = field(default_factory=list)
     pipeline_uuid: str = ""
     ranking: Ranking | None = None  # when optimized with a cost model
+    # how the optimized module runs this graph (execution plan, CUDA graphs), kept current
+    runtime: list[str] = field(default_factory=list)
 
     @property
     def verified(self) -> bool:
@@ -125,6 +131,7 @@ class Report:
             status = "passed" if self.verified else "FAILED (failing rewrites were reverted)"
         out.append(f"summary: {len(self.passes)} passes, {self.applied} rewrites applied, "
                    f"{sum(len(r.reverted) for r in self.passes)} reverted; verification {status}")
+        out += self.runtime
         return "\n".join(out)
 
 
@@ -146,7 +153,34 @@ class _Specialization:
         ]
         self.source_names = [s for p in self.programs for s in p.sources]
         self.versions = [t._version for t, _ in self.sources]
+        self.plan: ExecutionPlan | None = None
         self.runner: CudaGraphRunner | None = None
+        self.graphs_off: str | None = None  # why this graph runs without CUDA graphs
+        self.pool_mib: float | None = None  # what its capture added to the graph pool
+        self.said_strides = False
+
+    def runtime_lines(self, cuda_graphs: CudaGraphs) -> list[str]:
+        """The report's lines on how this graph runs."""
+        lines = []
+        if self.plan is not None:
+            lines.append(self.plan.describe())
+        if self.runner is not None and self.runner.graph is not None:
+            lines.append("CUDA graphs: replayed from one graph"
+                         + (" (hoisted regions outside it)" if self.runner.hoisted_outside
+                            else "")
+                         + (f"; the graph pool holds {self.pool_mib:.1f} MiB after it"
+                            if self.pool_mib is not None else ""))
+        elif self.graphs_off is not None:
+            lines.append(f"CUDA graphs: off ({self.graphs_off})")
+        elif cuda_graphs is False:
+            lines.append("CUDA graphs: off (cuda_graphs=False)")
+        elif self.captured.example_inputs and any(
+                isinstance(a, torch.Tensor) and a.is_cuda for a in self.captured.example_inputs):
+            lines.append(f"CUDA graphs: {'on' if cuda_graphs is True else 'auto'} (captured "
+                         "at the third call)")
+        else:
+            lines.append("CUDA graphs: off (the inputs are not on a CUDA device)")
+        return lines
 
     def refresh_if_stale(self) -> None:
         """Re-run the load programs whose parameters were changed in place since packing."""
@@ -196,7 +230,8 @@ class OptimizedModule:
     """
 
     def __init__(self, model: torch.nn.Module, first: _Specialization, config: PassConfig,
-                 verify: VerifyOptions, dump_dir: Path | None) -> None:
+                 verify: VerifyOptions, dump_dir: Path | None, cuda_graphs: CudaGraphs = "auto",
+                 execution_plan: bool = True) -> None:
         self.original = model
         self.config = config
         self._verify = verify
@@ -206,11 +241,13 @@ class OptimizedModule:
         self._specs[self._first_key] = first
         self._warned = False
         self._watched = _watch_identity(model, first.gm)
-        self.cuda_graphs = False
+        self.cuda_graphs: CudaGraphs = _check_cuda_graphs(cuda_graphs)
+        self.execution_plan = execution_plan
         self._cost: CostModel | None = None  # ranks and gates the passes of new signatures too
         self._regions: dict[tuple, CachedRegion] = {}
         self._constants: dict[str, torch.Tensor] = {}
-        self._share(first)
+        self._pool: Any = None  # the CUDA graph memory pool every specialisation captures into
+        self._adopt(first)
 
     @property
     def report(self) -> Report:
@@ -263,21 +300,101 @@ class OptimizedModule:
             log.info("kopt: new input signature; capturing and optimizing again")
             spec_entry = _specialize(self.original, args, kwargs, self.config, self._verify,
                                      self._dump_dir, cost=self._cost,
-                                     cuda_graphs=self.cuda_graphs)
+                                     cuda_graphs=_will_replay(self.cuda_graphs, flat))
             self._specs[key] = spec_entry
-            self._share(spec_entry)
+            self._adopt(spec_entry)
             if len(self._specs) == 1:
                 self._first_key = key
                 self._watched = _watch_identity(self.original, spec_entry.gm)
         spec_entry.refresh_if_stale()
         with torch.no_grad():
-            if self.cuda_graphs and any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat):
-                if spec_entry.runner is None:
-                    spec_entry.runner = CudaGraphRunner(spec_entry.gm)
-                out = spec_entry.runner(*flat)
-            else:
-                out = spec_entry.gm(*flat)
+            out = self._run(spec_entry, flat)
         return spec_entry.captured.unflatten_outputs(out)
+
+    def _run(self, spec: _Specialization, flat: list[Any]) -> Any:
+        """One call of ``spec``'s graph: its execution plan where the inputs have the plan's
+        strides (else the optimized graph as verified), from a CUDA graph where
+        :attr:`cuda_graphs` and the graph allow."""
+        plan = spec.plan
+        planned = plan is not None and plan.matches(flat)
+        if plan is not None and plan.off is None and not planned and not spec.said_strides:
+            log.info("kopt: inputs with other strides than the execution plan's; running the "
+                     "optimized graph")
+            spec.said_strides = True
+        gm = plan.gm if planned else spec.gm
+        if not self._graphs(spec, flat, planned):
+            return gm(*flat)
+        if spec.runner is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            spec.runner = CudaGraphRunner(gm, pool=self._pool)
+        runner = spec.runner
+        if runner.graph is not None or runner.calls < runner.warmup:
+            return runner(*flat)
+        before = torch.cuda.memory_reserved()
+        try:
+            out = runner(*flat)
+        except (NotCapturable, RuntimeError) as e:
+            if self.cuda_graphs is True:
+                raise
+            torch.cuda.synchronize()
+            spec.graphs_off = f"the capture failed: {type(e).__name__}: " \
+                              f"{str(e).splitlines()[0][:160]}"
+            log.warning("kopt: %s; running without CUDA graphs", spec.graphs_off)
+            spec.runner = None
+            self._refresh_report(spec)
+            return gm(*flat)
+        spec.pool_mib = (torch.cuda.memory_reserved() - before) / 2**20
+        self._refresh_report(spec)
+        return out
+
+    def _graphs(self, spec: _Specialization, flat: list[Any], planned: bool) -> bool:
+        """Whether this call of ``spec`` runs from a CUDA graph."""
+        if self.cuda_graphs is False or spec.graphs_off is not None:
+            return False
+        if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat):
+            return False
+        if spec.runner is not None:
+            return spec.plan is None or spec.plan.off is not None or planned
+        if self.cuda_graphs == "auto":
+            gm = spec.plan.gm if planned else spec.gm
+            reason = not_capturable(gm)
+            if reason is not None:
+                spec.graphs_off = reason
+                log.info("kopt: CUDA graphs off for this input signature: %s", reason)
+                self._refresh_report(spec)
+                return False
+        return True
+
+    def _adopt(self, spec: _Specialization) -> None:
+        """Share ``spec``'s constants and regions with the others, and build its plan."""
+        self._share(spec)
+        example = spec.captured.example_inputs
+        real = all(not isinstance(t, torch.Tensor) or (t.device.type != "meta" and not
+                                                       isinstance(t, FakeTensor))
+                   for t in example)
+        if self.execution_plan and real:
+            spec.plan = build_plan(spec.gm, example)
+        self._refresh_report(spec)
+
+    def _refresh_report(self, spec: _Specialization) -> None:
+        spec.report.runtime[:] = spec.runtime_lines(self.cuda_graphs)
+
+    def clear_caches(self) -> None:
+        """Empty every hoisted region's cache (a new denoising loop: entries of the last run
+        would otherwise serve equal timesteps, which is right but counted as hits)."""
+        for region in self._all_regions():
+            region.clear()
+            cut = replay_region(region)
+            if cut is not None:
+                cut.clear()
+
+    def _all_regions(self) -> list[CachedRegion]:
+        seen: dict[int, CachedRegion] = {}
+        for spec in self._specs.values():
+            for mod in cached_regions(spec.gm):
+                seen[id(mod)] = mod
+        return list(seen.values())
 
     def _share(self, spec: _Specialization) -> None:
         """Specialisations share what they compute alike: packed constants (one copy of the
@@ -302,15 +419,13 @@ class OptimizedModule:
 
     def cache_stats(self) -> dict[str, tuple[int, int]]:
         """(hits, misses) of each hoisted region, by its key inputs."""
-        seen: dict[int, CachedRegion] = {}
-        for spec in self._specs.values():
-            for mod in cached_regions(spec.gm):
-                seen[id(mod)] = mod
-        out = {}
-        for m in seen.values():  # and the form a CUDA-graph runner calls, where it has one
+        out: dict[str, tuple[int, int]] = {}
+        for m in self._all_regions():  # and the form a CUDA-graph runner calls, where it has one
             r = replay_region(m)
-            out["{" + ", ".join(m.key_names) + "}"] = (m.hits + (r.hits if r else 0),
-                                                       m.misses + (r.misses if r else 0))
+            name = "{" + ", ".join(m.key_names) + "}"
+            hits, misses = out.get(name, (0, 0))
+            out[name] = (hits + m.hits + (r.hits if r else 0),
+                         misses + m.misses + (r.misses if r else 0))
         return out
 
     def _replaced_parameters(self) -> bool:
@@ -378,8 +493,9 @@ def optimize(
     *,
     verify: VerifyOptions = VerifyOptions(),
     dump_dir: str | Path | None = None,
-    cuda_graphs: bool = False,
+    cuda_graphs: CudaGraphs = "auto",
     cost: CostModel | None = None,
+    execution_plan: bool = True,
 ) -> OptimizedModule:
     """Optimize ``model`` for inputs like ``(args, kwargs)``.
 
@@ -388,15 +504,37 @@ def optimize(
     model cannot be captured (the model is left as it was). ``cost``: a
     ``kopt.cost.CostModel``; the passes are then ranked by predicted time saved
     (``report.ranking``) and a pass predicted to lose on this workload is not applied.
+
+    ``cuda_graphs``: ``"auto"`` replays each input signature's forward from a CUDA graph when
+    its inputs are on a CUDA device and the graph can be captured (no host sync, no host tensor
+    copied in; a capture that fails falls back), else runs it eagerly; the report says which
+    and why. ``True`` forces the graphs (a failed capture raises), ``False`` turns them off.
+    ``execution_plan``: run the graph in its cheapest form for the host (:mod:`kopt.runtime`:
+    fused ops launched directly, views folded), bitwise the optimized graph; ``False`` runs the
+    optimized graph through the dispatcher, as verified.
     """
     if model.training:
         warnings.warn("kopt optimizes inference: the model is in training mode, so dropout and "
                       "batch-norm statistics are traced as in training; call model.eval() first",
                       stacklevel=2)
+    cuda_graphs = _check_cuda_graphs(cuda_graphs)
     dump = Path(dump_dir) if dump_dir else None
+    flat, _ = flatten_inputs(tuple(args), kwargs)
     first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost,
-                        cuda_graphs=cuda_graphs)
-    opt = OptimizedModule(model, first, config, verify, dump)
-    opt.cuda_graphs = cuda_graphs
+                        cuda_graphs=_will_replay(cuda_graphs, flat))
+    opt = OptimizedModule(model, first, config, verify, dump, cuda_graphs, execution_plan)
     opt._cost = cost
     return opt
+
+
+def _check_cuda_graphs(value: Any) -> CudaGraphs:
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"cuda_graphs must be 'auto', True or False, got {value!r}")
+
+
+def _will_replay(cuda_graphs: CudaGraphs, flat: Sequence[Any]) -> bool:
+    """Whether calls with inputs like ``flat`` are meant to replay from CUDA graphs (the
+    knowledge base's dead ends recorded for that mode then apply)."""
+    return cuda_graphs is not False and any(isinstance(a, torch.Tensor) and a.is_cuda
+                                            for a in flat)

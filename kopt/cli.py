@@ -81,9 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--dump", metavar="DIR", help="write the graph before and after each pass")
     o.add_argument("--bench", type=int, default=0, metavar="N",
                    help="also time the model and the optimized module: median of N calls")
-    o.add_argument("--cuda-graphs", action="store_true",
+    o.add_argument("--cuda-graphs", nargs="?", choices=("auto", "on", "off"), const="on",
+                   default="auto",
                    help="replay the optimized forward from a CUDA graph (hoisted work outside "
-                   "it; CUDA devices only), e.g. with --bench")
+                   "it): auto = where the inputs are on CUDA and the graph can be captured, "
+                   "on = always (a failed capture is an error), off = never (default: auto; "
+                   "the bare flag: on)")
+    o.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="off",
+                   help="the same as --cuda-graphs off")
     o.add_argument("--verbose", "-v", action="store_true", help="list every rewritten site")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     o.add_argument("--device-model", default="auto", metavar="auto|fit|h200|PATH",
@@ -303,15 +308,15 @@ def _optimized_with(args: argparse.Namespace, kb_session: Any):  # noqa: ANN202
             cap = capture_module(model, margs, mkwargs) if args.device_model in (
                 "auto", "fit") else None
             device = _device_model(args, [(cap.gm, cap.example_inputs)] if cap else ())
-            cost = CostModel(device, cuda_graphs=args.cuda_graphs,
+            cost = CostModel(device, cuda_graphs=_replays(args),
                              calls_per_step=_calls_per_step(args),
                              min_saving_ms=args.min_saving)
         opt = optimize(model, margs, mkwargs, config, verify=verify, dump_dir=args.dump,
-                       cuda_graphs=args.cuda_graphs, cost=cost)
+                       cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], cost=cost)
     except kopt.CaptureError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
-    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+    if args.cuda_graphs == "on" and not str(args.device).startswith("cuda"):
         print(f"note: --cuda-graphs has no effect on {args.device} (CUDA graphs need a CUDA "
               "device)", file=sys.stderr)
     report = opt.report
@@ -325,20 +330,53 @@ def _optimized_with(args: argparse.Namespace, kb_session: Any):  # noqa: ANN202
         print(f"device model: {cost.device.describe()}")
         print(report.ranking.format(_rank_at(args, config, cost) if args.rank_at else None))
     if args.bench:
-        from kopt.bench import median_ms
-
-        with torch.no_grad():
-            base = median_ms(lambda: model(*margs, **mkwargs), args.bench, device=args.device)
-            fast = median_ms(lambda: opt(*margs, **mkwargs), args.bench, device=args.device)
-        if kb_session is not None:
-            kb_session.record_e2e(base, fast, cuda_graphs=args.cuda_graphs)
-        how = "CUDA graph" if args.cuda_graphs and str(args.device).startswith("cuda") else \
-            "eager execution, no CUDA graphs"
-        print(f"time per call on {args.device}, median of {args.bench}: model {base:.3f} ms, "
-              f"kopt {fast:.3f} ms ({fast / base:.3f}x; {how})")
+        _bench(args, model, margs, mkwargs, opt, kb_session)
     if args.dump:
         print(f"graphs written to {args.dump}/")
     return opt
+
+
+CUDA_GRAPHS = {"auto": "auto", "on": True, "off": False}
+
+
+def _replays(args: argparse.Namespace) -> bool:
+    """Whether the optimized module replays from CUDA graphs (for the cost model and the KB)."""
+    return args.cuda_graphs != "off" and str(args.device).startswith("cuda")
+
+
+def _bench(args: argparse.Namespace, model: torch.nn.Module, margs: tuple, mkwargs: dict,
+           opt: Any, kb_session: Any) -> None:
+    """``--bench N``: the median time per call of the model and of the optimized module as
+    configured; on CUDA also the model captured by hand in one CUDA graph, and the optimized
+    module with the other CUDA-graph setting, so one run has every row a user compares."""
+    from kopt.bench import median_ms
+
+    cuda = str(args.device).startswith("cuda")
+    rows: list[tuple[str, float]] = []
+    with torch.no_grad():
+        base = median_ms(lambda: model(*margs, **mkwargs), args.bench, device=args.device)
+        rows.append(("model, eager", base))
+        fast = median_ms(lambda: opt(*margs, **mkwargs), args.bench, device=args.device)
+        lines = [line for line in opt.report.runtime if line.startswith("CUDA graphs")]
+        rows.append((f"kopt, --cuda-graphs {args.cuda_graphs} ({lines[0] if lines else ''})",
+                     fast))
+        if cuda:
+            from kopt.bench import graphed_call
+
+            replay = graphed_call(lambda: model(*margs, **mkwargs))
+            rows.append(("model, captured by hand in a CUDA graph",
+                         median_ms(replay, args.bench, device=args.device)))
+            other = "off" if opt.cuda_graphs is not False else "auto"
+            opt.cuda_graphs = CUDA_GRAPHS[other]
+            rows.append((f"kopt, --cuda-graphs {other}",
+                         median_ms(lambda: opt(*margs, **mkwargs), args.bench,
+                                   device=args.device)))
+            opt.cuda_graphs = CUDA_GRAPHS[args.cuda_graphs]
+    if kb_session is not None:
+        kb_session.record_e2e(base, fast, cuda_graphs=_replays(args))
+    print(f"time per call on {args.device}, median of {args.bench}:")
+    for label, ms in rows:
+        print(f"  {label}: {ms:.3f} ms ({ms / base:.3f}x the model's eager time)")
 
 
 def _ablate(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from kopt.passes.hoist import CachedRegion, trailing_views
+from kopt.runtime import is_dense, plan_region
 
 log = logging.getLogger("kopt")
 
@@ -132,6 +133,8 @@ def _cut_views(module: CachedRegion) -> tuple[CachedRegion, tuple] | None:
     out.meta["val"] = tuple(b.meta.get("val") for b in bases)
     region = CachedRegion(fx.GraphModule(module.region, new), module.key_positions,
                           module.key_names)
+    if module.planned is not None:  # the prelude runs the region's misses as planned too
+        plan_region(region, module.planned_strides)
     return region, (graph, views, bases)
 
 
@@ -150,15 +153,89 @@ def _replay_views(body: fx.Graph, bases_tuple: fx.Node, cut: tuple) -> dict[int,
     return {j: env[o] for j, o in enumerate(output.args[0])}
 
 
-class CudaGraphRunner:
-    """Runs ``gm`` eagerly for ``warmup`` calls, then from a CUDA graph captured on the next."""
+# Ops that make a graph uncapturable: they read a device value on the host (a sync), or size
+# an output by data.
+_SYNCING = frozenset({
+    "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
+    "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_consecutive",
+    "aten::unique_dim", "aten::equal", "aten::is_nonzero", "aten::allclose",
+    "aten::repeat_interleave", "aten::bincount", "aten::histc", "aten::argwhere",
+    "aten::_assert_async", "aten::tolist",
+})
 
-    def __init__(self, gm: fx.GraphModule, warmup: int = 2, clone_outputs: bool = True) -> None:
+
+def not_capturable(gm: fx.GraphModule) -> str | None:
+    """Why ``gm`` (the body a runner would capture) cannot be captured in a CUDA graph, from
+    its structure: an op that syncs with the host or sizes its output by data, or a value on
+    the CPU that a CUDA op reads (a host tensor copied to the device at every call). None when
+    nothing stands in the way."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name if schema is not None else getattr(node.target, "__name__", "")
+        if name in _SYNCING:
+            return f"{node.name} ({name}) syncs with the host"
+        val = node.meta.get("val")
+        outs = val if isinstance(val, list | tuple) else (val,)
+        if any(isinstance(o, torch.Tensor) and o.device.type == "cuda" for o in outs):
+            for a in node.all_input_nodes:
+                v = a.meta.get("val")
+                if (isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() > 0):
+                    return (f"{node.name} ({name}) reads {a.name}, a CPU tensor: a host copy "
+                            "at every call")
+    return None
+
+
+def _static_copy(a: Any) -> Any:
+    """A buffer laid out as ``a`` (strides and all) holding its values: what the captured graph
+    reads its input from. A tensor whose elements overlap (an expanded one) has no such buffer
+    a copy could fill: it is not captured."""
+    if isinstance(a, tuple):
+        return tuple(_static_copy(x) for x in a)
+    if not isinstance(a, torch.Tensor):
+        return a
+    if not is_dense(a):
+        raise NotCapturable(f"an input of shape {list(a.shape)} has overlapping elements "
+                            f"(strides {a.stride()})")
+    return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
+
+
+class NotCapturable(RuntimeError):
+    """The forward cannot be captured in a CUDA graph; the message says why."""
+
+
+def _cuda_capture(fn: Any, pool: Any) -> tuple[Any, Any]:
+    """``(graph, fn's result)``: ``fn`` captured in a CUDA graph (after one warm-up run on a
+    side stream: the allocator and library handles), into memory pool ``pool``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+class CudaGraphRunner:
+    """Runs ``gm`` eagerly for ``warmup`` calls, then from a CUDA graph captured on the next.
+
+    ``pool``: the memory pool the graph allocates from (``torch.cuda.graph_pool_handle()``;
+    graphs replayed one at a time may share one). ``capture(fn, pool) -> (graph, result)``
+    captures ``fn`` (the default, in a CUDA graph; anything with a ``replay()`` method that
+    re-runs ``fn`` on the same buffers will do, as the CPU tests do)."""
+
+    def __init__(self, gm: fx.GraphModule, warmup: int = 2, clone_outputs: bool = True,
+                 pool: Any = None, capture: Any = None) -> None:
         self.prelude, self.body = split_hoisted(gm)
         self.warmup = warmup
         self.clone_outputs = clone_outputs
+        self.pool = pool
+        self.capture = capture if capture is not None else _cuda_capture
         self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: Any = None
         self._static: list[Any] = []
         self._last_regions: tuple[Any, ...] = ()
         self._out: Any = None
@@ -184,18 +261,9 @@ class CudaGraphRunner:
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self._out)
 
     def _capture(self, args: tuple[Any, ...]) -> None:
-        self._static = [a.clone() if isinstance(a, torch.Tensor) else
-                        _clone_tuple(a) if isinstance(a, tuple) else a for a in args]
+        self._static = [_static_copy(a) for a in args]
         self._last_regions = args[len(args) - self._n_regions():]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.body(*self._static)  # allocator and library handles warm on the side stream
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._out = self.body(*self._static)
-        self.graph = graph
+        self.graph, self._out = self.capture(lambda: self.body(*self._static), self.pool)
         log.info("kopt: forward captured in a CUDA graph (%s)",
                  "hoisted regions outside" if self.prelude is not None else "no hoisted regions")
 
@@ -244,8 +312,3 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             ds[0].copy_(ss[0])
         else:
             torch._foreach_copy_(ds, ss)
-
-
-def _clone_tuple(t: tuple) -> tuple:
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in t)
-

@@ -58,6 +58,8 @@ import torch
 import torch.nn.functional as F
 
 from kopt.codegen import fp64_reference
+from kopt.codegen.launch import launch as triton_launch
+from kopt.codegen.launch import note
 from kopt.codegen.ops import define
 from kopt.codegen.source import load_generated_module
 from kopt.errors import KoptError
@@ -999,6 +1001,7 @@ class _Direct:
         run(*self.grid, stream, c.function, c.packed_metadata,
             c.launch_metadata(self.grid, stream, *values), knobs.runtime.launch_enter_hook,
             knobs.runtime.launch_exit_hook, *values)
+        note(c, self.grid, values)
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -1113,7 +1116,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
         if direct is not None:
             direct(args)
             return result
-        compiled = launch.kernel[launch.grid](*args, **launch.flags)
+        compiled = triton_launch(launch.kernel, launch.grid, *args, **launch.flags)
         if key is not None and a.is_cuda and not torch.cuda.is_current_stream_capturing():
             launch.direct = _direct_launch(launch, compiled, args)
             if launch.direct is not None and launch.library_form and LIBRARY_CHOICE:

@@ -23,6 +23,12 @@ import torch
 
 _LIB = torch.library.Library("kopt", "FRAGMENT")  # noqa: TOR901 -- kopt's namespace
 
+# op -> its Python implementations, by role: the execution plan (:mod:`kopt.runtime`) calls
+# them without the dispatcher (``reference`` inlined into a CPU graph, ``cuda`` recorded once
+# and its Triton launches replayed)
+REFERENCES: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+CUDA_IMPLS: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+
 
 def define(name: str, schema: str, reference: Callable[..., Any], *,
            fake: Callable[..., Any], cuda: Callable[..., Any] | None = None
@@ -34,4 +40,8 @@ def define(name: str, schema: str, reference: Callable[..., Any], *,
     if cuda is not None:
         _LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"kopt::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.kopt, name).default
+    op = getattr(torch.ops.kopt, name).default
+    REFERENCES[op] = reference
+    if cuda is not None:
+        CUDA_IMPLS[op] = cuda
+    return op

@@ -65,6 +65,7 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kopt.codegen import fp64_reference
 from kopt.codegen.kernels.nvfp4 import (
@@ -84,6 +85,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     row_split,
     row_tiling,
 )
+from kopt.codegen.launch import launch as triton_launch
 from kopt.codegen.ops import define
 from kopt.codegen.pointwise import (
     _EVAL,
@@ -911,8 +913,8 @@ def prepare_launch(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
 
 def _run(launch: Launch) -> None:
     # fp fusion off: a * b + c must round twice, as the unfused kernels do
-    launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps,
-                               enable_fp_fusion=False)
+    triton_launch(launch.kernel, launch.grid, *launch.args, **launch.constexprs,
+                  num_warps=launch.num_warps, enable_fp_fusion=False)
 
 
 def rowwise_triton(spec: RowwiseSpec, inputs: Sequence[torch.Tensor], *,
@@ -944,9 +946,9 @@ def _rowwise_reference_op(inputs: list[torch.Tensor], spec: str) -> list[torch.T
     res = rowwise_reference(s, inputs)
     # an output may be an input itself (no step changed it); an op's outputs must not alias
     # its inputs
-    taken = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    taken = {StorageWeakRef(t.untyped_storage()) for t in inputs if t.numel()}
     outs = [res[n] for n in s.output_names()]
-    return [o.clone() if o.numel() and o.untyped_storage().data_ptr() in taken else o
+    return [o.clone() if o.numel() and StorageWeakRef(o.untyped_storage()) in taken else o
             for o in outs]
 
 

@@ -81,9 +81,12 @@ def test_full_size_model_on_a_small_machine_is_refused_with_numbers(capsys, monk
 
 def test_bench_prints_model_and_kopt_times(capsys) -> None:  # noqa: ANN001
     assert main(["optimize", "--model", "llm-tiny", "-q", "--bench", "5"]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("time per call on cpu, median of 5: model ")
-    ratio = float(line.split("(")[1].split("x;")[0])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3] == "time per call on cpu, median of 5:"
+    assert lines[-2].startswith("  model, eager: ") and "(1.000x" in lines[-2]
+    assert lines[-1].startswith("  kopt, --cuda-graphs auto (CUDA graphs: off (the inputs are "
+                                "not on a CUDA device)): ")
+    ratio = float(lines[-1].rsplit("(", 1)[1].split("x ")[0])
     assert 0 < ratio < 10
 
 
@@ -99,6 +102,7 @@ def test_cuda_graphs_flag_says_it_has_no_effect_on_the_cpu(capsys) -> None:  # n
     assert main(["optimize", "-q", "--no-verify", "--cuda-graphs", "--bench", "2"]) == 0
     out = capsys.readouterr()
     assert "--cuda-graphs has no effect on cpu" in out.err
-    assert "eager execution, no CUDA graphs" in out.out
+    assert "kopt, --cuda-graphs on (CUDA graphs: off (the inputs are not on a CUDA " \
+           "device)): " in out.out
     # with --no-verify nothing was checked, and the summary must not claim otherwise
     assert "verification off (nothing was checked)" in out.out and "passed" not in out.out

@@ -78,6 +78,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     quant_fp8_rowwise_reference,
     row_split,
 )
+from kopt.codegen.launch import launch
 from kopt.codegen.ops import define
 from kopt.codegen.pointwise import fp32, pw_div_by, pw_recip
 
@@ -479,7 +480,7 @@ def act_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     o3 = as_3d(other) if other is not None else x3
     block = min(triton.next_power_of_2(max(n, p, 1)), _CHUNK)
     with on_device(x):
-        _act_kernel[(rows,)](
+        launch(_act_kernel, (rows,),
             x3, u3, o3, y, x3.shape[1], n, p, *x3.stride(), *u3.stride(), *o3.stride(),
             ACT=ACT_CODES[activation], BLOCK=block, HAS_OTHER=other is not None,
             OTHER_FIRST=other_first, NATIVE=native(_act_kernel, x),
@@ -585,7 +586,7 @@ def act_quant_triton(x: torch.Tensor, up: torch.Tensor | None, activation: str,
     # One stash row per program (a placeholder when unused).
     buf = torch.empty((programs, n) if stash else (1,), dtype=x.dtype, device=x.device)
     with on_device(x):
-        _act_quant_kernel[(programs,)](
+        launch(_act_quant_kernel, (programs,),
             x3, u3, o3, q, scale, buf, rows, x3.shape[1], n, p, *x3.stride(), *u3.stride(),
             *o3.stride(), _INV_E4M3_MAX, ACT=ACT_CODES[activation], BLOCK=cfg["BLOCK"],
             BLOCK2=block2, ONE_PASS=cfg["ONE_PASS"], STASH=stash, HAS_OTHER=other is not None,

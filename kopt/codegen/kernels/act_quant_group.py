@@ -60,6 +60,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     group_scale_empty,
     quant_fp8_group_reference,
 )
+from kopt.codegen.launch import launch
 from kopt.codegen.ops import define
 from kopt.codegen.pointwise import pw_div_by, pw_recip
 
@@ -224,7 +225,7 @@ def act_quant_group_triton(x: torch.Tensor, up: torch.Tensor | None, activation:
     u3 = as_3d(up) if up is not None else x3
     o3 = as_3d(other) if other is not None else x3
     with on_device(x):
-        _act_quant_group_kernel[(triton.cdiv(rows, rows_per), triton.cdiv(n + p, block))](
+        launch(_act_quant_group_kernel, (triton.cdiv(rows, rows_per), triton.cdiv(n + p, block)),
             x3, u3, bias if bias is not None else x3, o3, q.view(torch.uint8), scale, rows,
             x3.shape[1], n, p, *x3.stride(), *u3.stride(), *o3.stride(),
             ACT=ACT_CODES[activation], HAS_BIAS=bias is not None, HAS_OTHER=other is not None,

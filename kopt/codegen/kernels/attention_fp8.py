@@ -42,6 +42,7 @@ import triton.language as tl
 
 from kopt.codegen.kernels.act_quant import to_e4m3
 from kopt.codegen.kernels.qk_norm_rope import native, on_device
+from kopt.codegen.launch import launch
 from kopt.codegen.ops import define
 
 E4M3 = torch.float8_e4m3fn
@@ -251,7 +252,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, quant_k: bool
     ks = torch.empty(b * h, nblocks, dtype=torch.float32, device=dev)
     vs = torch.empty(b * h, nblocks, dtype=torch.float32, device=dev)
     with on_device(k):
-        _quant_kv_kernel[(nblocks, b * h)](
+        launch(_quant_kv_kernel, (nblocks, b * h),
             k, v, k8, vt, ks, vs, h, skv, nblocks, *k.stride(), *v.stride(), D=d, QB=QB,
             QUANT_K=quant_k, NATIVE=native(_quant_kv_kernel, k), num_warps=4)
     return k8, vt, ks, vs
@@ -273,7 +274,7 @@ def attention_fp8_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     skv = k.shape[2]
     out = _out(q, bshd)
     with on_device(q):
-        _attention_fp8_kernel[(triton.cdiv(sq, block_m), b * h)](
+        launch(_attention_fp8_kernel, (triton.cdiv(sq, block_m), b * h),
             q, k8, vt, ks, vs, out, h, sq, skv, ks.shape[1], scale * _LOG2E, *q.stride(),
             *k8.stride(), *out.stride(), D=d, BLOCK_M=block_m, BLOCK_N=block_n, QB=QB,
             QK_FP8=qk == "fp8", EVEN_N=skv % block_n == 0,

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kopt.codegen.launch import launch
 from kopt.codegen.ops import define
 
 # A flat range of the output a program, at 8 bf16 (16 bytes) a thread: Inductor's form for the
@@ -142,7 +143,7 @@ def _launch(x: torch.Tensor, y: torch.Tensor, flat: torch.Tensor, bx: torch.Tens
     total = total_rows * inner
     spans = [flat.numel()] + [(t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
                               + inner for t in (x, y) if t.shape[1]]
-    _cat_rows_kernel[(triton.cdiv(total, _XBLOCK),)](
+    launch(_cat_rows_kernel, (triton.cdiv(total, _XBLOCK),),
         x, y, flat, bx if bx is not None else x, by if by is not None else x, total, rows,
         out_rows, offset, x.stride(0), x.stride(1), y.stride(0), y.stride(1), INNER=inner,
         XBLOCK=_XBLOCK, HAS_BIAS=bx is not None, TWO=two, OUTER=outer > 1,

@@ -57,6 +57,7 @@ from kopt.codegen.kernels.quant_fp8 import (
     row_tiling,
     triton_supported,
 )
+from kopt.codegen.launch import launch
 from kopt.codegen.pointwise import pw_div, pw_div_by, pw_recip
 
 BLOCK_SIZE = 16
@@ -313,7 +314,7 @@ def quant_nvfp4_triton(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[
     # 16-byte half groups where Triton knows it (it specialises strides divisible by 16)
     aligned = x2.stride(0) % 16 == 0 and x2.data_ptr() % 16 == 0
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _quant_nvfp4_kernel[grid](
+        launch(_quant_nvfp4_kernel, grid,
             x2, q.view(-1, k // 2).view(torch.int32), scales.view(torch.uint8), global_scale,
             rows, k, x2.stride(0), ROWS=rows_per, BLOCK=block, BLOCK2=block2,
             EVEN=launch_rows == rows and even_tiles(rows, rows_per, k, block, block2),

@@ -58,6 +58,7 @@ from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from kopt.codegen import fp64_reference
+from kopt.codegen.launch import launch
 from kopt.codegen.ops import define
 
 NORMS = ("rms_norm", "cast")
@@ -403,7 +404,7 @@ def qk_norm_rope_triton(
         q_programs = triton.cdiv(n_q, cfg["BLOCK_R"])
         grid = (q_programs + triton.cdiv(n_k, cfg["BLOCK_R"]),)
         with on_device(qs):
-            _qk_norm_rope_kernel[grid](
+            launch(_qk_norm_rope_kernel, grid,
                 qs, ks, q_out, k_out, qw, kw, qb if qb is not None else qw,
                 kb if kb is not None else kw, c, sn,
                 *qs.stride(), *ks.stride(), *_broadcast_strides(c), *_broadcast_strides(sn),

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kopt.codegen.launch import launch
 from kopt.codegen.ops import define
 from kopt.codegen.pointwise import pw_div, pw_div_by, pw_div_const, pw_recip, reciprocal_fp32
 
@@ -322,7 +323,7 @@ def _launch_quant(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, grouped
     block, block2 = row_split(cols, GROUP if grouped else 16)
     grid = (triton.cdiv(rows, rows_per),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _quant_fp8_kernel[grid](
+        launch(_quant_fp8_kernel, grid,
             x2, q.view(torch.uint8), scale, rows, cols, x2.stride(0), GROUPED=grouped,
             ROWS=rows_per, BLOCK=block, BLOCK2=block2,
             EVEN=even_tiles(rows, rows_per, cols, block, block2),

@@ -1,0 +1,362 @@
+"""Launching kopt's Triton kernels, and replaying a fused op's launches without Triton's path.
+
+Every kopt kernel is launched through :func:`launch` (``kernel[grid](*args, **kw)``), so that a
+call of a fused op can be *recorded*: which compiled kernels it launched, on which grid, with
+which arguments. A :class:`DirectOp` records its op's first call and from then on replays it: it
+allocates the outputs (and any scratch buffer) the call allocated, computes each pointer
+argument as a source tensor's address plus the offset it had, and calls each compiled kernel's
+launcher with the recorded scalars and constexprs. That skips the dispatcher, the op's Python
+checks and planning, and Triton's argument binding and specialisation, which together cost
+the host 110-255 us per launch where the replay costs about a tenth of that (RESULTS.md,
+2026-12-04, H200; ``benchmarks/host_cost.py``).
+
+A call can be replayed only if its launches are a function of what the replay keeps fixed:
+the op's constant arguments and its tensors' shapes, strides, dtypes and devices. The caller
+guarantees those (an execution plan is specialised on them, :mod:`kopt.runtime`); the replay
+checks what it can cheaply (the device, and the 16-byte alignment Triton specialised a pointer
+on). A call that computes anything outside Triton (an aten op other than an allocation or a
+view: a ``.contiguous()`` copy, a fallback to the reference, a cuBLAS GEMM) or launches a kernel
+:func:`launch` cannot note (an autotuner, a host tensor descriptor) is not replayed: the op's
+Python implementation keeps running, still without the dispatcher. A recording is adopted only
+if its replay reproduces the recorded call's outputs bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger("kopt")
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Noted:
+    """One launch as recorded: the compiled kernel, its grid and every parameter's value in the
+    kernel's order (constexprs included, as Triton's launcher takes them)."""
+
+    compiled: Any
+    grid: tuple[int, int, int]
+    values: list[Any]
+
+
+# The launches of the call being recorded (None: not recording). A list per recording, set by
+# :func:`_recording` on the calling thread; kernels launched on other threads are not noted.
+_NOTES: list[Noted | None] | None = None
+
+
+def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
+    """``kernel[grid](*args, **kwargs)``, noted while a :class:`DirectOp` records."""
+    compiled = kernel[grid](*args, **kwargs)
+    if _NOTES is not None:
+        _NOTES.append(_note(kernel, compiled, grid, args, kwargs))
+    return compiled
+
+
+def note(compiled: Any, grid: tuple[int, int, int], values: Sequence[Any]) -> None:
+    """Note a launch made without :func:`launch` (a compiled kernel's launcher called directly)."""
+    if _NOTES is not None:
+        _NOTES.append(Noted(compiled, grid, list(values)))
+
+
+def _note(kernel: Any, compiled: Any, grid: Any, args: tuple, kwargs: dict) -> Noted | None:
+    """The launch as :class:`Noted`, or None where it cannot be replayed (an interpreted or
+    autotuned kernel: no compiled kernel of known parameters)."""
+    signature = getattr(kernel, "signature", None)
+    if compiled is None or signature is None or not hasattr(compiled, "run"):
+        return None
+    params = signature.parameters
+    bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+    bound.apply_defaults()
+    if len(bound.arguments) != len(params):
+        return None
+    if callable(grid):
+        grid = grid(bound.arguments)
+    grid = (*tuple(grid), 1, 1)[:3]
+    return Noted(compiled, grid, list(bound.arguments.values()))
+
+
+def _hooks_empty() -> bool:
+    """Whether no Triton launch hook is set (a profiler such as Proton sets one): the replay
+    passes none, so with a hook set the op keeps Triton's launch path."""
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover -- a Triton without knobs
+        return True
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", [hook]):
+            return False
+    return True
+
+
+# Ops a recorded call may run besides its Triton launches: allocations (replayed) and views
+# (the kernel arguments they make are addresses into a source, recomputed by offset).
+_ALLOCATIONS = frozenset({
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+    aten.new_empty.default, aten.new_empty_strided.default,
+})
+_VIEWS = frozenset({
+    aten.view.default, aten.view.dtype, aten._unsafe_view.default, aten.as_strided.default,
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.slice.Tensor,
+    aten.select.int, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.alias.default, aten.detach.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.narrow.default,
+    aten.view_as_real.default, aten.view_as_complex.default, aten.reshape.default,
+    aten.unflatten.int, aten.flatten.using_ints,
+})
+
+
+class _Watch(TorchDispatchMode):
+    """Notes every aten op a recorded call runs: the storages it allocates, and the first op
+    that is neither an allocation nor a view (the call then computes outside Triton)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocated: dict[StorageWeakRef, int] = {}  # storage -> bytes
+        self.other: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.allocated[StorageWeakRef(out.untyped_storage())] = out.untyped_storage().nbytes()
+        elif func not in _VIEWS and self.other is None:
+            self.other = str(func)
+        return out
+
+
+class _Recording:
+    def __enter__(self) -> list[Noted | None]:
+        global _NOTES
+        self.previous, _NOTES = _NOTES, []
+        return _NOTES
+
+    def __exit__(self, *exc: object) -> None:
+        global _NOTES
+        _NOTES = self.previous
+
+
+def _leaves(args: Sequence[Any]) -> list[tuple[int, int | None, Any]]:
+    """``(argument position, list position or None, value)`` of every argument and of every
+    element of a list/tuple argument: how a replay reaches each tensor the op was given."""
+    out: list[tuple[int, int | None, Any]] = []
+    for i, a in enumerate(args):
+        if isinstance(a, list | tuple):
+            out += [(i, j, v) for j, v in enumerate(a)]
+        else:
+            out.append((i, None, a))
+    return out
+
+
+def _flat_outputs(result: Any) -> tuple[list[torch.Tensor], str] | None:
+    """The op's output tensors and the form they are returned in (``tensor``, ``tuple``,
+    ``list``); None for another form."""
+    if isinstance(result, torch.Tensor):
+        return [result], "tensor"
+    if isinstance(result, tuple | list) and all(isinstance(t, torch.Tensor) for t in result):
+        return list(result), "tuple" if isinstance(result, tuple) else "list"
+    return None
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))) \
+        * t.element_size()
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs too), compared as integers of the element's width."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if a.is_floating_point():
+        a, b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
+    return torch.equal(a, b)
+
+
+class _Unreplayable(Exception):
+    """Why a recorded call cannot be replayed."""
+
+
+def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted | None],
+                  watch: _Watch) -> Callable[..., Any]:
+    """Generate the replay of one recorded call (see the module's docstring)."""
+    if watch.other is not None:
+        raise _Unreplayable(f"it runs {watch.other} besides its Triton kernels")
+    if not notes:
+        raise _Unreplayable("it launched no Triton kernel")
+    if any(n is None for n in notes):
+        raise _Unreplayable("a launch could not be noted (an interpreted or autotuned kernel)")
+    outputs = _flat_outputs(result)
+    if outputs is None:
+        raise _Unreplayable(f"it returns {type(result).__name__}, not tensors")
+    outs, form = outputs
+    if not _hooks_empty():
+        raise _Unreplayable("a Triton launch hook is set")
+    g: dict[str, Any] = {"empty_strided": torch.empty_strided, "empty": torch.empty,
+                         "uint8": torch.uint8, "current_device": torch.cuda.current_device,
+                         "raw_stream": torch._C._cuda_getCurrentRawStream}
+    lines: list[str] = []
+    sources: dict[StorageWeakRef, tuple[str, int]] = {}  # storage -> (expression, its ptr)
+    leaves = _leaves(args)
+    n_args = len(args)
+    devices = {t.device for t in outs} | {v.device for _, _, v in leaves
+                                          if isinstance(v, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise _Unreplayable(f"its tensors are on {sorted(map(str, devices))}, not one GPU")
+    device = next(iter(devices))
+    g["device"] = device
+    # the inputs first: an input's address is read every call
+    for k, (i, j, v) in enumerate(leaves):
+        if isinstance(v, torch.Tensor) and v.numel():
+            ref = StorageWeakRef(v.untyped_storage())
+            expr = f"a{i}" if j is None else f"a{i}[{j}]"
+            if ref not in sources:
+                lines.append(f"p{k} = {expr}.data_ptr()")
+                sources[ref] = (f"p{k}", v.data_ptr())
+    taken = set(sources)
+    # then the outputs, allocated as the call allocated them
+    out_names = []
+    for k, t in enumerate(outs):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in taken:
+            raise _Unreplayable("an output aliases an input or another output")
+        if ref not in watch.allocated:
+            raise _Unreplayable("an output was not allocated by the call")
+        if t.storage_offset() or watch.allocated[ref] != _extent_bytes(t):
+            raise _Unreplayable("an output is a part of a larger allocation")
+        g[f"shape{k}"], g[f"stride{k}"], g[f"dtype{k}"] = tuple(t.shape), t.stride(), t.dtype
+        lines.append(f"o{k} = empty_strided(shape{k}, stride{k}, dtype=dtype{k}, "
+                     "device=device)")
+        if t.numel():
+            lines.append(f"q{k} = o{k}.data_ptr()")
+            sources[ref] = (f"q{k}", t.data_ptr())
+        taken.add(ref)
+        out_names.append(f"o{k}")
+    # every launch's arguments
+    calls = []
+    aligned: list[str] = []
+    scratch = 0
+    for c, n in enumerate(notes):
+        assert n is not None
+        values = []
+        for v_i, v in enumerate(n.values):
+            if isinstance(v, torch.Tensor):
+                ptr = v.data_ptr()
+                if ptr == 0 or v.untyped_storage().nbytes() == 0:
+                    values.append("0")
+                    continue
+                ref = StorageWeakRef(v.untyped_storage())
+                if ref not in sources:
+                    if ref in watch.allocated:  # a scratch buffer: allocated anew each call
+                        lines.append(f"s{scratch} = empty(({watch.allocated[ref]},), "
+                                     "dtype=uint8, device=device).data_ptr()")
+                        sources[ref] = (f"s{scratch}", v.untyped_storage().data_ptr())
+                        scratch += 1
+                    else:  # a tensor the op keeps between calls (a table): its own address
+                        g[f"kept{c}_{v_i}"] = v
+                        lines.append(f"k{c}_{v_i} = kept{c}_{v_i}.data_ptr()")
+                        sources[ref] = (f"k{c}_{v_i}", ptr)
+                expr, base = sources[ref]
+                offset = ptr - base
+                value = f"({expr} + {offset})" if offset else expr
+                if ptr % 16 == 0:
+                    aligned.append(value)
+                values.append(value)
+            elif isinstance(v, bool | int | float | str | type(None)):
+                values.append(repr(v))
+            elif isinstance(v, torch.dtype) or type(v).__module__.startswith("triton.language"):
+                g[f"const{c}_{v_i}"] = v  # a dtype or a constexpr: the same every call
+                values.append(f"const{c}_{v_i}")
+            else:  # e.g. a host tensor descriptor: it holds this call's tensor
+                raise _Unreplayable(f"launch {c} takes a {type(v).__name__}")
+        g[f"run{c}"], g[f"fn{c}"] = n.compiled.run, n.compiled.function
+        g[f"meta{c}"] = n.compiled.packed_metadata
+        calls.append(f"run{c}({n.grid[0]}, {n.grid[1]}, {n.grid[2]}, stream, fn{c}, meta{c}, "
+                     f"None, None, None, {', '.join(values)})")
+    params = ", ".join(f"a{i}" for i in range(n_args))
+    body = [f"def replay({params}):"]
+    body += [f"    {line}" for line in lines if line.startswith("p")]
+    if aligned:  # Triton compiled the kernel for these addresses' 16-byte alignment
+        inputs_aligned = [a for a in aligned if a.lstrip("(").startswith("p")]
+        if inputs_aligned:
+            body.append(f"    if ({' | '.join(inputs_aligned)}) & 15:")
+            body.append("        return None")
+    body.append(f"    if current_device() != {device.index}:")
+    body.append("        return None")
+    body += [f"    {line}" for line in lines if not line.startswith("p")]
+    body.append(f"    stream = raw_stream({device.index})")
+    body += [f"    {call}" for call in calls]
+    if form == "tensor":
+        body.append(f"    return {out_names[0]}")
+    elif form == "tuple":
+        body.append(f"    return ({', '.join(out_names)},)")
+    else:
+        body.append(f"    return [{', '.join(out_names)}]")
+    source = "\n".join(body) + "\n"
+    exec(compile(source, f"<kopt replay of {name}>", "exec"), g)  # noqa: S102 -- generated
+    return g["replay"]
+
+
+class DirectOp:
+    """A kopt op's call in an execution plan: the op's CUDA implementation called without the
+    dispatcher; after its first call, that call's Triton launches replayed (module docstring).
+
+    ``impl`` is the op's Python CUDA implementation (what the dispatcher would call); ``name``
+    names the node in the generated forward and in the report."""
+
+    def __init__(self, op: Any, impl: Callable[..., Any], name: str) -> None:
+        self.op = op
+        self.impl = impl
+        self.__name__ = name
+        self.__qualname__ = name
+        self.__module__ = "kopt.runtime"
+        self._replay: Callable[..., Any] | None = None
+        self.recorded = False
+        self.why_not: str | None = None  # why the call is not replayed, once recorded
+
+    @property
+    def direct(self) -> bool:
+        """Whether the call is replayed (the cheap launch)."""
+        return self._replay is not None
+
+    def __call__(self, *args: Any) -> Any:
+        replay = self._replay
+        if replay is not None:
+            out = replay(*args)
+            if out is not None:
+                return out
+            return self.impl(*args)
+        if self.recorded or torch.cuda.is_current_stream_capturing():
+            return self.impl(*args)
+        return self._record(args)
+
+    def _record(self, args: tuple) -> Any:
+        self.recorded = True
+        watch = _Watch()
+        with _Recording() as notes, watch:
+            result = self.impl(*args)
+        try:
+            replay = _build_replay(self.__name__, args, result, notes, watch)
+            again = replay(*args)
+            if again is None:
+                raise _Unreplayable("its guards failed on the call it was recorded from")
+            got = _flat_outputs(again)
+            want = _flat_outputs(result)
+            assert got is not None and want is not None
+            if not all(bitwise_equal(a, b) for a, b in zip(got[0], want[0], strict=True)):
+                raise _Unreplayable("the replay's outputs differ from the recorded call's")
+            self._replay = replay
+        except _Unreplayable as e:
+            self.why_not = str(e)
+            log.info("kopt: %s (%s) keeps its Python launch: %s", self.__name__, self.op, e)
+        return result

@@ -1,0 +1,468 @@
+"""The execution plan: an optimized graph rewritten into the form that runs cheapest on the host.
+
+The optimized graph is what the passes produced and verification checked: kopt's fused ops are
+``torch.library`` ops (so the graph exports, traces under ``torch.compile`` and propagates
+fake tensors) and aten ops are ``OpOverload`` calls. Run as it is, each node pays the
+dispatcher's boxed path and each fused op its Python checks and Triton's launch path: on the
+H200's host 110-255 us per fused op, which makes kopt slower than the model it replaces
+outside CUDA graphs (RESULTS.md, 2026-12-04, H200). The plan is a copy of that graph, computing
+the same values bit for bit, in which:
+
+- a fused op on CUDA is a :class:`kopt.codegen.launch.DirectOp`: its CUDA implementation
+  without the dispatcher, then its recorded Triton launches replayed;
+- a fused op on the CPU is its PyTorch reference traced to aten ops and inlined, so that it
+  costs what the unfused ops cost (no dispatcher into Python, no per-call checks);
+- a chain of views is one view, and a view to the shape it already has is dropped;
+- an aten op is called through its Python binding (``torch._C._VariableFunctions.add``,
+  ``TensorBase.view``) rather than its ``OpOverload`` where that binding is checked, on fake
+  tensors, to dispatch exactly the ops the overload does: half the host time per op.
+
+A plan is specialised on the strides of the graph's tensor inputs (the optimized module is
+specialised on their shapes, dtypes and devices): its recorded launches and folded views hold
+for those. A call with other strides runs the optimized graph. Before a plan is used, it and
+the optimized graph run once on the same random inputs and must agree bit for bit (graphs that
+write a buffer in place rely on each fused op's own check instead); otherwise the optimized
+graph runs and the report says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kopt.codegen.launch import DirectOp, bitwise_equal
+from kopt.codegen.ops import CUDA_IMPLS, REFERENCES
+from kopt.graph.splice import copy_graph_module, inline_graph
+from kopt.passes.hoist import CachedRegion
+from kopt.verify import mutated_attributes, random_inputs
+
+log = logging.getLogger("kopt")
+
+aten = torch.ops.aten
+
+# Views whose chains fold into one ``view`` of the chain's first input, when that view is valid
+# (checked on the values' metadata) and gives the chain's strides.
+_FOLDABLE = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+_VIEW_LIKE = _FOLDABLE | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                          aten.flatten.using_ints, aten.unflatten.int}
+
+
+@dataclass
+class PlanSummary:
+    """What the plan did, for the report."""
+
+    direct: int = 0  # fused ops launched by DirectOp
+    inlined: int = 0  # fused ops inlined as their reference's aten ops (CPU)
+    python: int = 0  # fused ops whose reference is called without the dispatcher
+    folded_views: int = 0
+    bound: int = 0  # aten ops called through their Python binding
+    kept: Counter = field(default_factory=Counter)  # op -> nodes left as OpOverload calls
+    not_inlined: dict[str, str] = field(default_factory=dict)  # op -> why
+
+    def line(self, ops: Sequence[DirectOp] = ()) -> str:
+        replayed = sum(op.direct for op in ops)
+        parts = []
+        if self.direct:
+            parts.append(f"{self.direct} fused-op calls launched directly"
+                         + (f" ({replayed} replayed, {self.direct - replayed} through their "
+                            "Python launch)" if any(op.recorded for op in ops) else ""))
+        if self.inlined:
+            parts.append(f"{self.inlined} fused ops inlined as aten ops")
+        if self.python:
+            parts.append(f"{self.python} fused ops called without the dispatcher")
+        parts.append(f"{self.folded_views} views folded, {self.bound} aten ops through their "
+                     "Python bindings")
+        return "execution plan: " + "; ".join(parts)
+
+
+class ExecutionPlan:
+    """The runtime form of one optimized graph (module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, strides: tuple, summary: PlanSummary,
+                 ops: list[DirectOp]) -> None:
+        self.gm = gm
+        self.strides = strides
+        self.summary = summary
+        self.ops = ops
+        self.off: str | None = None  # why the plan is not used (the optimized graph runs)
+
+    def matches(self, flat: Sequence[Any]) -> bool:
+        """Whether a call's inputs have the strides the plan was made for."""
+        return self.off is None and _strides(flat) == self.strides
+
+    def describe(self) -> str:
+        if self.off is not None:
+            return f"execution plan: off ({self.off}); the optimized graph runs as verified"
+        line = self.summary.line(self.ops)
+        why = Counter(op.why_not for op in self.ops if op.recorded and not op.direct)
+        for reason, n in why.most_common(3):
+            line += f"\n      {n} not replayed: {reason}"
+        return line
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory once each (any order of dims): what a
+    buffer made by ``torch.empty_strided`` with its strides holds exactly."""
+    expected = 1
+    dims = sorted(((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1))
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _strides(flat: Sequence[Any]) -> tuple:
+    return tuple(t.stride() if isinstance(t, torch.Tensor) else None for t in flat)
+
+
+def build_plan(gm: fx.GraphModule, example: Sequence[Any], check: bool = True
+               ) -> ExecutionPlan:
+    """The execution plan of ``gm`` for inputs like ``example`` (flat leaves); ``check`` runs
+    the plan against ``gm`` once (module docstring). Each hoisted region ``gm`` calls gets its
+    own plan (:meth:`CachedRegion.set_plan`), kept with the region: regions are shared by the
+    graphs of one optimized module, and so is what they cache."""
+    summary = PlanSummary()
+    ops: list[DirectOp] = []
+    plan_gm = copy_graph_module(gm)
+    for node in plan_gm.graph.nodes:
+        if node.op == "call_module":
+            module = plan_gm.get_submodule(node.target)
+            if isinstance(module, CachedRegion) and module.planned is None:
+                plan_region(module, tuple(_stride_of(a) for a in node.args), summary, ops)
+    _lower(plan_gm, summary, ops)
+    plan = ExecutionPlan(plan_gm, _strides(example), summary, ops)
+    if check:
+        _check(plan, gm, example)
+    return plan
+
+
+def plan_region(region: CachedRegion, strides: tuple, summary: PlanSummary | None = None,
+                ops: list[DirectOp] | None = None) -> None:
+    """Give ``region`` the plan of its graph, for inputs of ``strides``."""
+    lowered = _lower(copy_graph_module(region.region), summary or PlanSummary(),
+                     [] if ops is None else ops)
+    region.set_plan(lowered, strides)
+
+
+def _stride_of(a: Any) -> Any:
+    v = a.meta.get("val") if isinstance(a, fx.Node) else a
+    return v.stride() if isinstance(v, torch.Tensor) else None
+
+
+def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp]) -> fx.GraphModule:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in REFERENCES:
+            _lower_fused(gm, node, summary, ops)
+    summary.folded_views += _fold_views(graph)
+    graph.eliminate_dead_code()
+    bindings = _Bindings()
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            fn = bindings.of(node)
+            if fn is not None:
+                node.target = fn
+                summary.bound += 1
+            else:
+                summary.kept[str(node.target)] += 1
+    gm.recompile()
+    return gm
+
+
+def _device(node: fx.Node) -> torch.device | None:
+    vals = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+    for v in pytree.tree_leaves(vals):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def _positional(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple:
+    """``args`` and ``kwargs`` as the full positional list of ``op``'s schema (defaults
+    filled), as the dispatcher hands them to a Python kernel."""
+    out = list(args)
+    for a in op._schema.arguments[len(args):]:
+        if a.kwarg_only:
+            raise ValueError(f"{op} has keyword-only arguments")
+        if a.name in kwargs:
+            out.append(kwargs[a.name])
+        elif a.has_default_value():
+            out.append(a.default_value)
+        else:
+            raise ValueError(f"{op}: missing argument {a.name}")
+    return tuple(out)
+
+
+def _lower_fused(gm: fx.GraphModule, node: fx.Node, summary: PlanSummary,
+                 ops: list[DirectOp]) -> None:
+    op = node.target
+    device = _device(node)
+    try:
+        args = _positional(op, node.args, dict(node.kwargs))
+    except ValueError:
+        return
+    if device is not None and device.type == "cuda" and op in CUDA_IMPLS:
+        direct = DirectOp(op, CUDA_IMPLS[op], f"kopt_{node.name}")
+        node.target, node.args, node.kwargs = direct, args, {}
+        ops.append(direct)
+        summary.direct += 1
+        return
+    if device is not None and device.type == "cuda":
+        return
+    reference = REFERENCES[op]
+    try:
+        _inline_reference(gm, node, reference, args)
+        summary.inlined += 1
+    except Exception as e:  # noqa: BLE001 -- a reference make_fx cannot trace: call it as it is
+        summary.not_inlined[str(op)] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        node.target, node.args, node.kwargs = reference, args, {}
+        node.meta["kopt_reference"] = str(op)
+        summary.python += 1
+
+
+def _inline_reference(gm: fx.GraphModule, node: fx.Node, reference: Any, args: tuple) -> None:
+    """Replace ``node`` by the aten ops of ``reference(*args)``, traced on its fake values."""
+    leaves, spec = pytree.tree_flatten(args)
+    where = [i for i, v in enumerate(leaves) if isinstance(v, fx.Node)]
+    fakes = [leaves[i].meta["val"] for i in where]
+
+    def fn(*tensors: Any) -> Any:
+        values = list(leaves)
+        for i, t in zip(where, tensors, strict=True):
+            values[i] = t
+        return reference(*pytree.tree_unflatten(values, spec))
+
+    traced = make_fx(fn, tracing_mode="fake")(*fakes)
+    if any(n.op == "get_attr" for n in traced.graph.nodes):
+        raise ValueError("the traced reference reads a constant")
+    names = [n.name for n in traced.graph.nodes if n.op == "placeholder"]
+    outputs = inline_graph(gm, traced.graph, dict(zip(names, [leaves[i] for i in where],
+                                                      strict=True)), node)
+    result = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    if isinstance(result, list | tuple):
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise ValueError(f"the op's outputs are used by {user.target}")
+        for user in list(node.users):
+            user.replace_all_uses_with(outputs[user.args[1]])
+            gm.graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(outputs[0])
+    gm.graph.erase_node(node)
+
+
+def _fold_views(graph: fx.Graph) -> int:
+    """Fold each chain of reshapes into one ``view`` of its first input, where that single view
+    is valid and gives the chain's strides; drop a reshape to the shape it already has."""
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _FOLDABLE:
+            continue
+        src = node.args[0]
+        out, base = node.meta.get("val"), getattr(src, "meta", {}).get("val")
+        if not isinstance(out, torch.Tensor) or not isinstance(base, torch.Tensor):
+            continue
+        if (base.shape == out.shape and base.stride() == out.stride()
+                and base.storage_offset() == out.storage_offset() and src.op != "placeholder"):
+            node.replace_all_uses_with(src)
+            folded += 1
+            continue
+        first = src
+        while _pure_view(first):
+            first = first.args[0]
+        if first is src:
+            continue
+        origin = first.meta.get("val")
+        if not isinstance(origin, torch.Tensor) or not _views_as(_meta(origin), _meta(out)):
+            continue
+        node.target = aten.view.default
+        node.args = (first, list(out.shape))
+        folded += 1
+    return folded
+
+
+def _pure_view(node: fx.Node) -> bool:
+    """A view-like node that aliases its input (a reshape that copies does not)."""
+    if node.op != "call_function" or node.target not in _VIEW_LIKE or not isinstance(
+            node.args[0], fx.Node):
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    return node.target not in _FOLDABLE or _views_as(_meta(src), _meta(out))
+
+
+def _views_as(origin: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``origin.view(out.shape)`` is valid and has ``out``'s strides and offset."""
+    try:
+        v = origin.view(list(out.shape))
+    except RuntimeError:
+        return False
+    return v.stride() == out.stride() and v.storage_offset() == out.storage_offset()
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops a call dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase)
+
+
+class _Bindings:
+    """The Python binding of an aten overload, where calling it with a node's arguments
+    dispatches exactly the ops the overload does (checked on fake values, once per overload
+    and argument kinds)."""
+
+    def __init__(self) -> None:
+        self.checked: dict[tuple, Any] = {}
+
+    def of(self, node: fx.Node) -> Any:
+        op = node.target
+        if op.namespace != "aten" or not all(_plain(a) for a in (*node.args,
+                                                                  *node.kwargs.values())):
+            return None
+        name = op._schema.name.split("::")[1]
+        candidates = [getattr(ns, name) for ns in _NAMESPACES if hasattr(ns, name)]
+        if not candidates:
+            return None
+        key = (op, _kinds(node.args), tuple(sorted(node.kwargs)),
+               tuple(_kind(v) for v in node.kwargs.values()))
+        if key not in self.checked:
+            self.checked[key] = next((fn for fn in candidates if _same_dispatch(op, fn, node)),
+                                     None)
+        return self.checked[key]
+
+
+_SCALARS = (fx.Node, int, float, bool, str, type(None), torch.dtype, torch.device,
+            torch.layout, torch.memory_format)
+
+
+def _plain(a: Any) -> bool:
+    """An argument a binding takes as the overload does: a value, a scalar, or a flat list."""
+    return isinstance(a, _SCALARS) or (isinstance(a, list | tuple)
+                                       and all(isinstance(v, _SCALARS) for v in a))
+
+
+def _kind(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        v = a.meta.get("val")
+        return "T" if isinstance(v, torch.Tensor) else type(v).__name__
+    if isinstance(a, list | tuple):
+        return (type(a).__name__, *[_kind(v) for v in a])
+    return type(a).__name__
+
+
+def _kinds(args: tuple) -> tuple:
+    return tuple(_kind(a) for a in args)
+
+
+def _meta(v: Any) -> Any:
+    """A meta tensor with ``v``'s shape, strides, offset and dtype (any fake mode's value)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    size = 1 + v.storage_offset() + sum((s - 1) * st for s, st in zip(v.shape, v.stride(),
+                                                                      strict=True))
+    base = torch.empty(max(size, 1) if v.numel() else 1, dtype=v.dtype, device="meta")
+    return base.as_strided(v.shape, v.stride(), v.storage_offset())
+
+
+def _same_dispatch(op: Any, fn: Any, node: fx.Node) -> bool:
+    """Whether ``fn(*node.args)`` dispatches the ops ``op(*node.args)`` does and returns values
+    of the same kind, shapes, strides and dtypes (a list where ``op`` returns a tuple only if
+    the node's users index it)."""
+    def meta(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return _meta(a.meta.get("val"))
+        if isinstance(a, list | tuple):
+            return type(a)(meta(v) for v in a)
+        return a
+
+    args = tuple(meta(a) for a in node.args)
+    kwargs = {k: meta(v) for k, v in node.kwargs.items()}
+    try:
+        with _Ops() as want:
+            expected = op(*args, **kwargs)
+        with _Ops() as got:
+            result = fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- the binding does not take these arguments
+        return False
+    if want.ops != got.ops:
+        return False
+    if type(expected) is not type(result) and not (
+            isinstance(expected, list | tuple) and isinstance(result, list | tuple)
+            and _only_indexed(node)):
+        return False
+    a, b = pytree.tree_leaves(expected), pytree.tree_leaves(result)
+    return len(a) == len(b) and all(
+        type(x) is type(y) and (not isinstance(x, torch.Tensor) or (
+            x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype))
+        for x, y in zip(a, b, strict=True))
+
+
+def _only_indexed(node: fx.Node) -> bool:
+    """Whether every use of ``node`` takes one element by index (a list and a tuple alike)."""
+    return bool(node.users) and all(u.op == "call_function" and u.target is operator.getitem
+                                    for u in node.users)
+
+
+def _restrided(value: Any, like: Any) -> Any:
+    """``value``'s values laid out with ``like``'s strides and offset: the plan's launches are
+    recorded on this call, for the strides it is specialised on (an overlapping layout, such as
+    an expanded tensor's, takes as many of the values as it has memory locations)."""
+    if not isinstance(value, torch.Tensor) or (
+            value.stride() == like.stride() and value.storage_offset() == like.storage_offset()):
+        return value
+    if is_dense(like) and not like.storage_offset():
+        return torch.empty_strided(like.shape, like.stride(), dtype=value.dtype,
+                                   device=value.device).copy_(value)
+    size = like.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(
+        like.shape, like.stride(), strict=True))
+    flat = value.reshape(-1)
+    base = flat.repeat(-(-size // flat.numel()))[:size] if flat.numel() else \
+        torch.zeros(size, dtype=value.dtype, device=value.device)
+    return base.as_strided(like.shape, like.stride(), like.storage_offset())
+
+
+def _check(plan: ExecutionPlan, gm: fx.GraphModule, example: Sequence[Any]) -> None:
+    """Run the plan and the optimized graph on the same random inputs: bitwise equal, or the
+    plan is off. A graph that writes a buffer in place is not run twice here."""
+    if mutated_attributes(gm) or not all(
+            not isinstance(t, torch.Tensor) or not getattr(t, "fake_mode", None)
+            and t.device.type != "meta" for t in example):
+        return
+    inputs = [_restrided(r, e) for r, e in zip(random_inputs(example, seed=0), example,
+                                                 strict=True)]
+    try:
+        with torch.no_grad():
+            want = pytree.tree_leaves(gm(*inputs))
+            got = pytree.tree_leaves(plan.gm(*inputs))
+    except Exception as e:  # noqa: BLE001 -- the plan is an optimization: say why, run the graph
+        plan.off = f"it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        log.warning("kopt: %s", plan.describe())
+        return
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        same = (bitwise_equal(a, b) if isinstance(a, torch.Tensor) and isinstance(
+            b, torch.Tensor) else a == b)
+        if not same:
+            plan.off = f"output {i} differs from the optimized graph's"
+            log.warning("kopt: %s", plan.describe())
+            return

@@ -1,0 +1,91 @@
+"""The execution plan and CUDA graphs by default, on CUDA: every fused op launched by replaying
+its recorded launches, bitwise the optimized graph; the default module replays from CUDA
+graphs that share one memory pool; a graph that cannot be captured runs eagerly, saying why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kopt
+from kopt.capture import flatten_inputs
+from kopt.codegen.launch import DirectOp, bitwise_equal
+from kopt.models import build, main_output
+from kopt.verify import random_inputs
+
+pytestmark = pytest.mark.gpu
+FP8_EVERYWHERE = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
+
+
+def _leaves_equal(a, b) -> bool:  # noqa: ANN001
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return all(bitwise_equal(x, y) if isinstance(x, torch.Tensor) else x == y
+               for x, y in zip(la, lb, strict=True))
+
+
+@pytest.mark.parametrize(("name", "config"), [
+    ("qwen-image-tiny", kopt.PassConfig()), ("qwen-image-tiny", FP8_EVERYWHERE),
+    ("flux2-tiny", FP8_EVERYWHERE), ("llm-tiny", kopt.PassConfig()),
+])
+def test_every_fused_op_is_replayed_bitwise(name, config) -> None:  # noqa: ANN001
+    w = build(name, device="cuda", dtype=torch.bfloat16)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, config, cuda_graphs=False)
+    plan = opt._specs[opt._first_key].plan
+    assert plan is not None and plan.off is None, opt.report
+    assert plan.ops and all(isinstance(op, DirectOp) for op in plan.ops)
+    flat, _ = flatten_inputs(w.args, w.kwargs)
+    for seed in (1, 2, 3):  # fresh values each call: the replay reads its new inputs
+        inputs = random_inputs(flat, seed)
+        with torch.no_grad():
+            assert _leaves_equal(plan.gm(*inputs), opt.graph_module(*inputs))
+    not_replayed = {str(op.op): op.why_not for op in plan.ops if not op.direct}
+    assert not not_replayed, not_replayed
+    assert "replayed" in str(opt.report)
+
+
+def test_the_default_replays_from_cuda_graphs_sharing_one_pool() -> None:
+    w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
+    opt = kopt.optimize(w.model, w.args, w.kwargs)
+    eager = kopt.optimize(w.model, w.args, w.kwargs, cuda_graphs=False)
+    assert opt.cuda_graphs == "auto" and "CUDA graphs: auto" in str(opt.report)
+    text = w.kwargs["encoder_hidden_states"]
+    other = dict(w.kwargs, encoder_hidden_states=torch.randn(
+        text.shape[0], text.shape[1] + 5, text.shape[2], device="cuda", dtype=text.dtype))
+    with torch.no_grad():
+        for _ in range(4):
+            for kwargs in (w.kwargs, other):
+                got = main_output(opt(*w.args, **kwargs))
+                assert bitwise_equal(got, main_output(eager(*w.args, **kwargs)))
+    runners = [s.runner for s in opt._specs.values()]
+    assert len(runners) == 2 and all(r is not None and r.graph is not None for r in runners)
+    assert all(r.pool is opt._pool for r in runners)
+    assert "the graph pool holds" in str(opt.reports[0])
+
+
+def test_auto_runs_eagerly_where_the_graph_reads_a_host_tensor() -> None:
+    class HostScale(nn.Module):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return x * scale.to(x.device) + 1
+
+    x = torch.randn(8, 32, device="cuda")
+    scale = torch.randn(8, 1)  # on the host: copied to the device at every call
+    opt = kopt.optimize(HostScale().eval(), (x, scale))
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(opt(x, scale), x * scale.cuda() + 1)
+    spec = opt._specs[opt._first_key]
+    assert spec.runner is None and "a CPU tensor" in (spec.graphs_off or "")
+    assert "CUDA graphs: off" in str(opt.report)
+
+
+def test_decode_with_a_kv_cache_replays_from_a_graph_bitwise() -> None:
+    w = build("llm-tiny", device="cuda", dtype=torch.bfloat16, mode="decode", batch=2,
+              seq_len=16)
+    opt = kopt.optimize(w.model, w.args, w.kwargs)
+    eager = kopt.optimize(w.model, w.args, w.kwargs, cuda_graphs=False)
+    with torch.no_grad():
+        for _ in range(4):
+            assert bitwise_equal(main_output(opt(*w.args, **w.kwargs)),
+                                 main_output(eager(*w.args, **w.kwargs)))
+    assert opt._specs[opt._first_key].runner.graph is not None
