@@ -12,8 +12,13 @@ Variants (each with and without a CUDA graph of the whole forward, where it capt
   features >= 1024 replaced by a per-output-channel FP8 weight (quantized once) and a per-token
   activation quantization in plain torch ops, ``torch._scaled_mm`` with rowwise scales; then the
   same regional compilation.
+- ``torchao-fp8`` (on request; torchao is an optional benchmark extra): the library users
+  pick, ``quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``
+  on the Linears the naive baseline quantizes, then the same regional compilation. It
+  quantizes the model in place, so it runs last.
 - ``kopt-bf16`` / ``kopt-fp8``: ``kopt.optimize`` of the whole forward (FP8: ``FP8Config()``),
-  run as optimized; with a CUDA graph: ``optimize(cuda_graphs=True)`` (hoisted work outside).
+  two rows from one optimization: ``..., default arguments`` (what a user gets: CUDA graphs
+  "auto", the execution plan) and ``..., cuda_graphs=False`` (eager, the execution plan).
 - ``kopt-bf16-inductor`` / ``kopt-fp8-inductor`` (on request): ``torch.compile(backend="kopt")``
   with Inductor compiling what kopt's passes leave (hoisting is off under Inductor).
 
@@ -60,8 +65,9 @@ from kopt.verify import VerifyOptions, relative_error
 
 VARIANTS = ("eager-bf16", "inductor-bf16", "naive-fp8-inductor", "kopt-bf16", "kopt-fp8")
 # also available, not run by default: kopt's passes inside torch.compile with Inductor after
-# them, over the whole forward (one graph: long to compile at full size)
-EXTRA_VARIANTS = ("kopt-bf16-inductor", "kopt-fp8-inductor")
+# them, over the whole forward (one graph: long to compile at full size); torchao's float8
+EXTRA_VARIANTS = ("kopt-bf16-inductor", "kopt-fp8-inductor", "torchao-fp8")
+DEFAULT_ROW, EAGER_ROW = "default arguments", "cuda_graphs=False"
 TOP_KERNELS = 25  # kernels listed per variant (by time per forward)
 TOP_NAME_CHARS = 110
 E4M3 = torch.float8_e4m3fn
@@ -132,6 +138,17 @@ def repeated_blocks(model: nn.Module) -> set[nn.Module]:
         if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
             blocks.update(m)
     return blocks
+
+
+def torchao_fp8(model: nn.Module) -> int:
+    """torchao's float8 rowwise recipe on the Linears :func:`naive_fp8` takes (in place); the
+    number quantized."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    chosen = {id(m) for path, m in model.named_modules() if naive_fp8(path, m) is not None}
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda m, _fqn: id(m) in chosen)
+    return len(chosen)
 
 
 def regional_compile(model: nn.Module):  # noqa: ANN201
@@ -282,6 +299,18 @@ def run_variant(name: str, w: Workload, uncond: dict, refs: list[tuple[dict, tor
     row: dict = {}
     if name == "eager-bf16":
         return measure(name, w.model, w, uncond, refs, args.iters, args.cuda_graphs, args.device)
+    if name == "torchao-fp8":
+        torch._dynamo.reset()
+        n_fp8 = torchao_fp8(w.model)
+        with regional_compile(w.model) as n_blocks:
+            with torch.no_grad():
+                w.model(*w.args, **w.kwargs)  # compile
+            row = {"fp8_linears": n_fp8, "compiled_blocks": n_blocks,
+                   "prepare_s": time.perf_counter() - t0}
+            row.update(measure(name, w.model, w, uncond, refs, args.iters, args.cuda_graphs,
+                               args.device))
+        torch._dynamo.reset()
+        return row
     if name in ("inductor-bf16", "naive-fp8-inductor"):
         torch._dynamo.reset()
         quant = swapped(w.model, naive_fp8) if name.startswith("naive") else \
@@ -315,20 +344,23 @@ def run_variant(name: str, w: Workload, uncond: dict, refs: list[tuple[dict, tor
         return row
     verify = VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(max(args.seeds, 1))))
     opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify)
-    row = {"prepare_s": time.perf_counter() - t0,
-           "verified": opt.report.verified if verify.enabled else None,
-           "passes": {r.name: r.matched for r in opt.report.passes}}
+    base = {"prepare_s": time.perf_counter() - t0,
+            "verified": opt.report.verified if verify.enabled else None,
+            "passes": {r.name: r.matched for r in opt.report.passes}}
     print(opt.report, flush=True)
-
-    def graphed() -> Callable[..., torch.Tensor]:
-        opt.cuda_graphs = True
-        return lambda **kw: main_output(opt(*w.args, **kw))
-
-    row.update(measure(name, opt, w, uncond, refs, args.iters, args.cuda_graphs, args.device,
-                       graphed))
-    runner = opt._specs[opt._first_key].runner
-    row["hoisted_outside_graph"] = runner is not None and runner.hoisted_outside
-    return row
+    rows = {}
+    for label, mode in ((EAGER_ROW, False), (DEFAULT_ROW, "auto")):
+        opt.cuda_graphs = mode
+        row = dict(base)
+        row.update(measure(f"{name}, {label}", opt, w, uncond, refs, args.iters, False,
+                           args.device))
+        rows[label] = row
+    spec = opt._specs[opt._first_key]
+    rows[DEFAULT_ROW]["runtime"] = spec.report.runtime
+    rows[DEFAULT_ROW]["replayed_from_graph"] = spec.runner is not None and \
+        spec.runner.graph is not None
+    print("\n".join(spec.report.runtime), flush=True)
+    return rows
 
 
 def best_forward_ms(row: dict) -> float:
@@ -488,8 +520,12 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:  # a GPU without shipped datasheet peaks: no floor table
             print(f"no floor: {e}", flush=True)
     rows: dict[str, dict] = {}
-    for name in names:
-        rows[name] = run_variant(name, w, uncond, refs, args)
+    for name in sorted(names, key=lambda n: n == "torchao-fp8"):  # torchao's changes the model
+        result = run_variant(name, w, uncond, refs, args)
+        if name.startswith("kopt-") and not name.endswith("-inductor"):
+            rows.update({f"{name}, {label}": row for label, row in result.items()})
+        else:
+            rows[name] = result
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -39,6 +39,7 @@ from kopt.codegen.ops import CUDA_IMPLS
 from kopt.models import build
 from kopt.runtime import _positional
 
+ADDABLE = (torch.bfloat16, torch.float16, torch.float32)
 KINDS = {  # op name -> the kind the table shows
     "rowwise": "row-wise", "act_quant_fp8_rowwise": "act + quant",
     "cat_act_quant_fp8_rowwise": "cat + act + quant", "act_quant_fp8_group": "act + quant",
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         for op, op_args in calls.items():
             name = op._schema.name.split("::")[1]
-            first = next(a for a in torch.utils._pytree.tree_leaves(op_args)
-                         if isinstance(a, torch.Tensor))
+            first = next((a for a in torch.utils._pytree.tree_leaves(op_args)
+                          if isinstance(a, torch.Tensor) and a.dtype in ADDABLE),
+                         torch.randn(64, 64, device=args.device))
             row: dict[str, Any] = {"op": f"kopt::{name}", "kind": KINDS.get(name, name)}
             row["dispatcher_us"] = host_us(lambda op=op, a=op_args: op(*a), args.calls,
                                            args.rounds, cuda)

@@ -27,6 +27,7 @@ graph runs and the report says why.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from collections import Counter
@@ -43,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kopt.codegen.launch import DirectOp, bitwise_equal
 from kopt.codegen.ops import CUDA_IMPLS, REFERENCES
 from kopt.graph.splice import copy_graph_module, inline_graph
-from kopt.passes.hoist import CachedRegion
+from kopt.passes.hoist import CachedRegion, cached_regions
 from kopt.verify import mutated_attributes, random_inputs
 
 log = logging.getLogger("kopt")
@@ -68,6 +69,7 @@ class PlanSummary:
     bound: int = 0  # aten ops called through their Python binding
     kept: Counter = field(default_factory=Counter)  # op -> nodes left as OpOverload calls
     not_inlined: dict[str, str] = field(default_factory=dict)  # op -> why
+    left_out: str | None = None  # stages left out after a failed check, and why
 
     def line(self, ops: Sequence[DirectOp] = ()) -> str:
         replayed = sum(op.direct for op in ops)
@@ -82,6 +84,8 @@ class PlanSummary:
             parts.append(f"{self.python} fused ops called without the dispatcher")
         parts.append(f"{self.folded_views} views folded, {self.bound} aten ops through their "
                      "Python bindings")
+        if self.left_out:
+            parts.append(self.left_out)
         return "execution plan: " + "; ".join(parts)
 
 
@@ -126,32 +130,65 @@ def _strides(flat: Sequence[Any]) -> tuple:
     return tuple(t.stride() if isinstance(t, torch.Tensor) else None for t in flat)
 
 
+# The plan's rewrites, each of which can be left out: inlining or direct launches of the fused
+# ops, folded views, Python bindings. A plan that does not match the optimized graph is made
+# again without the later ones, one at a time, so that a rewrite that fails on some graph costs
+# only its own saving (the report names it).
+STAGES = ("fused", "views", "bindings")
+
+
 def build_plan(gm: fx.GraphModule, example: Sequence[Any], check: bool = True
                ) -> ExecutionPlan:
     """The execution plan of ``gm`` for inputs like ``example`` (flat leaves); ``check`` runs
     the plan against ``gm`` once (module docstring). Each hoisted region ``gm`` calls gets its
     own plan (:meth:`CachedRegion.set_plan`), kept with the region: regions are shared by the
     graphs of one optimized module, and so is what they cache."""
+    first_problem = ""
+    subsets = [tuple(st for st in STAGES if st not in out) for k in range(len(STAGES) + 1)
+               for out in itertools.combinations(STAGES, k)]
+    for stages in subsets:
+        plan = _make_plan(gm, example, stages)
+        if not check:
+            return plan
+        problem = _check(plan, gm, example)
+        if problem is None:
+            if first_problem:
+                left = ", ".join(st for st in STAGES if st not in stages)
+                plan.summary.left_out = f"{left} left out ({first_problem} with all)"
+            return plan
+        if not first_problem:
+            first_problem = problem
+            if not _repeatable(gm, example):
+                plan.summary.left_out = ("checked op by op: the optimized graph does not "
+                                         "repeat its outputs bit for bit on this device")
+                return plan
+    plan.off = first_problem
+    for region in cached_regions(gm):
+        region.planned = None
+    log.warning("kopt: %s", plan.describe())
+    return plan
+
+
+def _make_plan(gm: fx.GraphModule, example: Sequence[Any], stages: tuple[str, ...]
+               ) -> ExecutionPlan:
     summary = PlanSummary()
     ops: list[DirectOp] = []
     plan_gm = copy_graph_module(gm)
     for node in plan_gm.graph.nodes:
         if node.op == "call_module":
             module = plan_gm.get_submodule(node.target)
-            if isinstance(module, CachedRegion) and module.planned is None:
-                plan_region(module, tuple(_stride_of(a) for a in node.args), summary, ops)
-    _lower(plan_gm, summary, ops)
-    plan = ExecutionPlan(plan_gm, _strides(example), summary, ops)
-    if check:
-        _check(plan, gm, example)
-    return plan
+            if isinstance(module, CachedRegion):
+                plan_region(module, tuple(_stride_of(a) for a in node.args), summary, ops,
+                            stages)
+    _lower(plan_gm, summary, ops, stages)
+    return ExecutionPlan(plan_gm, _strides(example), summary, ops)
 
 
 def plan_region(region: CachedRegion, strides: tuple, summary: PlanSummary | None = None,
-                ops: list[DirectOp] | None = None) -> None:
+                ops: list[DirectOp] | None = None, stages: tuple[str, ...] = STAGES) -> None:
     """Give ``region`` the plan of its graph, for inputs of ``strides``."""
     lowered = _lower(copy_graph_module(region.region), summary or PlanSummary(),
-                     [] if ops is None else ops)
+                     [] if ops is None else ops, stages)
     region.set_plan(lowered, strides)
 
 
@@ -160,17 +197,19 @@ def _stride_of(a: Any) -> Any:
     return v.stride() if isinstance(v, torch.Tensor) else None
 
 
-def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp]) -> fx.GraphModule:
+def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp],
+           stages: tuple[str, ...] = STAGES) -> fx.GraphModule:
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in REFERENCES:
+        if "fused" in stages and node.op == "call_function" and node.target in REFERENCES:
             _lower_fused(gm, node, summary, ops)
-    summary.folded_views += _fold_views(graph)
+    if "views" in stages:
+        summary.folded_views += _fold_views(graph)
     graph.eliminate_dead_code()
     bindings = _Bindings()
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            fn = bindings.of(node)
+            fn = bindings.of(node) if "bindings" in stages else None
             if fn is not None:
                 node.target = fn
                 summary.bound += 1
@@ -442,27 +481,66 @@ def _restrided(value: Any, like: Any) -> Any:
     return base.as_strided(like.shape, like.stride(), like.storage_offset())
 
 
-def _check(plan: ExecutionPlan, gm: fx.GraphModule, example: Sequence[Any]) -> None:
-    """Run the plan and the optimized graph on the same random inputs: bitwise equal, or the
-    plan is off. A graph that writes a buffer in place is not run twice here."""
-    if mutated_attributes(gm) or not all(
-            not isinstance(t, torch.Tensor) or not getattr(t, "fake_mode", None)
-            and t.device.type != "meta" for t in example):
-        return
-    inputs = [_restrided(r, e) for r, e in zip(random_inputs(example, seed=0), example,
-                                                 strict=True)]
+def _runnable(gm: fx.GraphModule, example: Sequence[Any]) -> bool:
+    """Whether the plan can be checked here: real inputs, and no buffer the graph writes in
+    place (running it twice would write it twice)."""
+    return not mutated_attributes(gm) and all(
+        not isinstance(t, torch.Tensor) or (not getattr(t, "fake_mode", None)
+                                            and t.device.type != "meta") for t in example)
+
+
+def _inputs(example: Sequence[Any]) -> list[Any]:
+    return [_restrided(r, e) for r, e in zip(random_inputs(example, seed=0), example,
+                                             strict=True)]
+
+
+def _run_clean(gm: fx.GraphModule, inputs: Sequence[Any], planned_regions: bool) -> list[Any]:
+    """``gm(*inputs)``'s outputs, its hoisted regions empty before (so that they compute) and
+    after, computing with their plans or without them."""
+    regions = cached_regions(gm)
+    plans = [(r, r.planned) for r in regions]
     try:
+        for r in regions:
+            r.clear()
+            if not planned_regions:
+                r.planned = None
         with torch.no_grad():
-            want = pytree.tree_leaves(gm(*inputs))
-            got = pytree.tree_leaves(plan.gm(*inputs))
-    except Exception as e:  # noqa: BLE001 -- the plan is an optimization: say why, run the graph
-        plan.off = f"it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        log.warning("kopt: %s", plan.describe())
-        return
+            return pytree.tree_leaves(gm(*inputs))
+    finally:
+        for r, planned in plans:
+            r.clear()
+            r.planned = planned
+
+
+def _differ(got: Sequence[Any], want: Sequence[Any]) -> int | None:
+    """The first output that is not bitwise equal, or None."""
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         same = (bitwise_equal(a, b) if isinstance(a, torch.Tensor) and isinstance(
             b, torch.Tensor) else a == b)
         if not same:
-            plan.off = f"output {i} differs from the optimized graph's"
-            log.warning("kopt: %s", plan.describe())
-            return
+            return i
+    return None
+
+
+def _check(plan: ExecutionPlan, gm: fx.GraphModule, example: Sequence[Any]) -> str | None:
+    """Run the plan and the optimized graph (its regions without their plans) on the same
+    random inputs; None if they agree bit for bit, else what went wrong. A graph that cannot be
+    run here (a buffer written in place, fake inputs) is not: each fused op's replay was still
+    checked against its own recorded call."""
+    if not _runnable(gm, example):
+        return None
+    inputs = _inputs(example)
+    try:
+        want = _run_clean(gm, inputs, planned_regions=False)
+        got = _run_clean(plan.gm, inputs, planned_regions=True)
+    except Exception as e:  # noqa: BLE001 -- the plan is an optimization: say why, run the graph
+        return f"it raised {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    i = _differ(got, want)
+    return None if i is None else f"output {i} differs from the optimized graph's"
+
+
+def _repeatable(gm: fx.GraphModule, example: Sequence[Any]) -> bool:
+    """Whether two runs of ``gm`` on the same inputs give the same bits."""
+    inputs = _inputs(example)
+    first = _run_clean(gm, inputs, planned_regions=False)
+    return _differ(_run_clean(gm, inputs, planned_regions=False), first) is None

@@ -95,7 +95,12 @@ def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  
           "--variants", "eager-bf16,kopt-bf16", "--out-dir", str(tmp_path)])
     data = json.loads((tmp_path / "e2e.json").read_text())
     rows = data["variants"]
-    assert set(rows) == {"eager-bf16", "kopt-bf16"}
+    kopt_rows = ("kopt-bf16, cuda_graphs=False", "kopt-bf16, default arguments")
+    assert set(rows) == {"eager-bf16", *kopt_rows}  # one optimization, two ways to run it
+    assert rows[kopt_rows[1]]["runtime"][0].startswith("execution plan:")
+    assert rows[kopt_rows[0]]["rel_err_inputs"] == rows[kopt_rows[1]]["rel_err_inputs"]
+    rows["kopt-bf16"] = rows.pop(kopt_rows[1])
+    del rows[kopt_rows[0]]
     assert rows["eager-bf16"]["rel_err_vs_eager"] == 0.0
     assert rows["kopt-bf16"]["rel_err_vs_eager"] < 0.05 and rows["kopt-bf16"]["verified"]
     # the error on the workload's input and on two more drawn like it, each against eager's
@@ -117,8 +122,10 @@ def test_harness_runs_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path) -> None:  
         assert top and all(a[1] >= b[1] for a, b in zip(top, top[1:], strict=False))
         assert all(name.split(": ")[0] in r["breakdown"] for name, _, _ in top)
     table = (tmp_path / "e2e.md").read_text()
-    assert "| kopt-bf16 |" in table and "Kernel time per forward by category" in table
-    assert "Longest kernels of kopt-bf16" in table
+    assert "| kopt-bf16, default arguments |" in table
+    assert "| kopt-bf16, cuda_graphs=False |" in table
+    assert "Kernel time per forward by category" in table
+    assert "Longest kernels of kopt-bf16, default arguments" in table
 
 
 def test_redrawn_inputs_keep_shapes_scale_and_the_timestep() -> None:

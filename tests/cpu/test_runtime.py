@@ -241,3 +241,26 @@ def test_every_kernel_launch_in_codegen_goes_through_launch() -> None:
             if pattern.search(code) and "kernel" in code.split("[")[0].lower():
                 offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_a_plan_that_differs_is_made_again_without_the_rewrite_at_fault(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """A binding that computes something else (here: subtraction for every add) makes the
+    plan's outputs differ: the plan is made again without bindings, and says so."""
+    import kopt.runtime as runtime
+
+    real = runtime._Bindings.of
+
+    def wrong(self, node):  # noqa: ANN001, ANN202
+        fn = real(self, node)
+        return torch._C._VariableFunctions.sub if fn is torch._C._VariableFunctions.add else fn
+
+    monkeypatch.setattr(runtime._Bindings, "of", wrong)
+    w = tiny["llm-tiny"]
+    opt = kopt.optimize(w.model, w.args, w.kwargs)
+    plan = opt._specs[opt._first_key].plan
+    assert plan.off is None and plan.summary.bound == 0 and plan.summary.inlined > 0
+    assert plan.summary.left_out.startswith("bindings left out (output 0 differs")
+    assert "bindings left out" in str(opt.report)
+    with torch.no_grad():
+        flat, _ = flatten_inputs(w.args, w.kwargs)
+        assert _same(plan.gm(*flat), opt.graph_module(*flat))

@@ -33,6 +33,7 @@ def test_every_fused_op_is_replayed_bitwise(name, config) -> None:  # noqa: ANN0
     opt = kopt.optimize(w.model, w.args, w.kwargs, config, cuda_graphs=False)
     plan = opt._specs[opt._first_key].plan
     assert plan is not None and plan.off is None, opt.report
+    assert plan.summary.left_out is None, plan.summary.left_out
     assert plan.ops and all(isinstance(op, DirectOp) for op in plan.ops)
     flat, _ = flatten_inputs(w.args, w.kwargs)
     for seed in (1, 2, 3):  # fresh values each call: the replay reads its new inputs
