@@ -30,9 +30,9 @@ import torch
 from benchmarks.forward import report, time_ms
 from kopt.api import optimize_captured
 from kopt.capture import capture_module, flatten_inputs
+from kopt.graph.regions import cached_regions
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
-from kopt.passes.hoist import cached_regions
 from kopt.verify import VerifyOptions, relative_error
 
 

@@ -10,7 +10,7 @@ Each node also gets its FLOPs (``torch.utils.flop_counter``, per op) and the byt
 writes (its tensors' sizes), so a report can say how close a node came to the device's peak
 rate or bandwidth.
 
-The time per call is split into categories by the node's op (:func:`op_category`): GEMMs,
+The time per call is split into categories by the node's op (:func:`kopt.graph.op_category`): GEMMs,
 attention, quantization, the rest element-wise (norms, pointwise chains, copies, fused row-wise
 kernels), and launch gaps = wall time - busy time (the device idle between kernels on CUDA; the
 graph's Python and dispatch between ops on the CPU). With a device model (``kopt.cost``) each
@@ -38,44 +38,15 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from kopt.bench import STEADY_S
+from kopt.cudagraphs import CudaGraphRunner
+from kopt.graph import CATEGORIES, op_category, qualified_name
 
 PREFIX = "kopt::node::"
 ITERATION = "kopt::call::"
 # op events the attribution counts: what the graph's nodes dispatch to (aten and kopt's ops)
 _OP_PREFIXES = ("aten::", "kopt::", "prims::")
 
-CATEGORIES = ("gemm", "attention", "quantization", "elementwise")
 GAPS = "launch gaps"
-
-# op -> category, by qualified op name (``aten::mm``, ``kopt::fp8_gemm``): the same names the
-# profiler gives the events, so nodes and events (inside a hoisted region, unattributed) agree.
-_GEMM_OPS = frozenset({
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-    "aten::_scaled_mm", "aten::_scaled_grouped_mm", "aten::convolution", "aten::_convolution",
-    "kopt::fp8_gemm", "kopt::bf16_gemm", "kopt::fp8_blockwise_mm",
-})
-
-
-def op_category(qualified: str) -> str:
-    """``gemm``, ``attention``, ``quantization`` or ``elementwise`` for an op name such as
-    ``aten::addmm`` or ``kopt::quant_fp8_rowwise`` (kopt's generated GEMM-with-epilogue ops are
-    GEMMs: their names end in ``_gemm``)."""
-    ns, _, name = qualified.partition("::")
-    if qualified in _GEMM_OPS or (ns == "kopt" and name.endswith(("_gemm", "_mm"))):
-        return "gemm"
-    if "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention")):
-        return "attention"
-    if ns == "kopt" and (name.startswith("quant_") or "act_quant" in name):
-        return "quantization"
-    return "elementwise"
-
-
-def qualified_name(target: Any) -> str:
-    """``aten::linear`` for ``torch.ops.aten.linear.default``; the Python name otherwise."""
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return schema.name
-    return getattr(target, "__name__", str(target))
 
 
 class Ceilings(Protocol):
@@ -492,8 +463,6 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
     profiled replays only: the GPU idles at its highest clock while the profiler starts and
     while its trace is read, and a sampler around the whole call recorded that clock (session
     20: 1980 MHz for W1's calibration graph, whose ablation row ran at 1830 MHz)."""
-    from kopt.cudagraphs import CudaGraphRunner
-
     order_run = _Annotated(gm)
     # as the timed calls run it (kopt.ablate): two eager calls, then the capture
     runner = CudaGraphRunner(gm, warmup=2, clone_outputs=False)

@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.probes.replay_split import build_pair, pair_options
 from kopt.cost.counts import count_graph, region_kind
-from kopt.passes.hoist import CachedRegion
+from kopt.graph.regions import CachedRegion
 
 
 class Collections:

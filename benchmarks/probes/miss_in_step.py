@@ -25,7 +25,7 @@ from benchmarks.probes.hoist_miss import step_ms
 from benchmarks.probes.replay_split import build_pair, order, pair_options, print_differences
 from kopt.cost.counts import region_kind
 from kopt.cudagraphs import CudaGraphRunner
-from kopt.passes.hoist import CachedRegion
+from kopt.graph.regions import CachedRegion
 
 
 class TimedPrelude:

@@ -30,7 +30,7 @@ from benchmarks.probes.replay_split import build_pair, order, pair_options, prin
 from kopt.ablate import stepper
 from kopt.bench import median_ms
 from kopt.cudagraphs import CudaGraphRunner
-from kopt.passes.hoist import CachedRegion
+from kopt.graph.regions import CachedRegion
 from kopt.power import ClockSampler
 
 

@@ -50,7 +50,7 @@ from torch import fx
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
 from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel, Prediction
-from kopt.passes.hoist import cached_regions
+from kopt.graph.regions import cached_regions
 from kopt.power import ClockSampler, read_power_limit
 from kopt.profile import Attribution, NodeCost, host_times, profile_graph, try_profile_replay
 

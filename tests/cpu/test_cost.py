@@ -32,9 +32,9 @@ from kopt.cost import (
 from kopt.cost.calibrate import fit_counted, nnls
 from kopt.cost.counts import OpCount
 from kopt.cost.symbolic import HP, S_IMG, S_TXT, WP, B, D, S, capture_stages, symbolic_pipeline
+from kopt.graph.regions import cached_regions
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
-from kopt.passes.hoist import cached_regions
 from kopt.profile import Attribution, NodeCost
 
 OFF = kopt.VerifyOptions(enabled=False)
@@ -772,7 +772,8 @@ def test_a_reshape_that_can_view_its_input_is_a_view_whatever_its_traced_storage
     """A pass traces its new nodes' values one by one (another storage than the input's): the
     reshape of a contiguous activation to 2-D is still a view; flattening a transposed one is
     a copy."""
-    from kopt.cost.counts import count_node, is_view
+    from kopt.cost.counts import count_node
+    from kopt.graph import is_view
 
     aten = torch.ops.aten
     g = fx.Graph()

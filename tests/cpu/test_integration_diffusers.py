@@ -95,7 +95,7 @@ def _relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 def _forget(handle: KoptTransformer) -> None:
     """Empty the hoisted caches: the next run is a new denoising loop (equal timesteps of a
     repeated schedule would otherwise hit the previous run's entries, which is right too)."""
-    from kopt.passes.hoist import cached_regions
+    from kopt.graph.regions import cached_regions
 
     for g in handle.optimized.graph_modules:
         for region in cached_regions(g):
