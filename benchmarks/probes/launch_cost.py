@@ -1,6 +1,6 @@
 """Where a kopt custom op's host time per launch goes, layer by layer (CUDA).
 
-    python benchmarks/launch_cost.py [--calls 500] [--device cpu]
+    python -m benchmarks.probes.launch_cost [--calls 500] [--device cpu]
 
 Takes the first ``kopt::rowwise`` call of qwen-image-tiny optimized with FP8 (its real spec
 and inputs) and times, per call (host only: the kernels are a few microseconds, so the device
@@ -20,34 +20,19 @@ reference (``_rowwise_reference_op``) there.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.fx import Interpreter
 
+from benchmarks.gemm_launch_cost import per_call_us
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.codegen import rowwise as rw
 from kopt.models import build
 from kopt.passes.config import FP8Config, PassConfig
 from kopt.verify import VerifyOptions
-
-
-def per_call_us(f: Callable[[], Any], calls: int) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(10):
-        f()
-    sync()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            f()
-        best = min(best, (time.perf_counter_ns() - t0) / calls / 1e3)
-        sync()
-    return best
 
 
 def first_rowwise_call(device: str) -> tuple[list[torch.Tensor], str]:
