@@ -44,12 +44,11 @@ def median_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 3,
 
 
 # Seconds a graph runs before it is timed: a GPU at its power cap reaches its sustained clock
-# only after some seconds of load. On the H200 (session 25, W1 in FP8), a graph timed right
-# after its build drew 497-576 W (NVML) where the same graph drew 689-693 W after 2 s of its
-# steps, and the first timing of W1's merged-projection graph read 88.2 ms against 90.6
-# sustained (90.0-90.8 over five more rounds): the more power-hungry a graph, the more its
-# first timing gains, so a difference of two rows timed that way is not a difference at the
-# sustained clock.
+# only after some seconds of load. On the H200 (W1 in FP8), a graph timed right after its
+# build drew 497-576 W (NVML) where the same graph drew 689-693 W after 2 s of its steps, and
+# the first timing of W1's merged-projection graph read 88.2 ms against 90.6 sustained
+# (RESULTS.md, 2026-12-03, H200): the more power-hungry a graph, the more its first timing
+# gains, so a difference of two rows timed that way is not a difference at the sustained clock.
 STEADY_S = 3.0
 
 

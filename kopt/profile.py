@@ -439,11 +439,12 @@ def replay_launches(events: Sequence[RawEvent], iters: int
 
 # profile_replay replays for STEADY_S before it profiles: a few replays of a short graph
 # can end before a GPU at its power cap has lowered its clock to what longer timed calls run
-# at (H200, session 20: W1's calibration replays sampled 1980 MHz while its ablation rows,
-# timed longer, ran at 1590-1980). With it, and the clock sampled during the replays only,
-# W1's two calibration graphs read 1755 and 1605 MHz against 1725 and 1620 for the same
-# graphs' ablation rows (session 21). One second was not enough: W1's calibration replays then
-# drew 576-582 W where the same graphs drew 689-693 W after 2 s of their steps (session 25).
+# at (H200: W1's calibration replays sampled 1980 MHz while its ablation rows, timed longer,
+# ran at 1590-1980). With it, and the clock sampled during the replays only, W1's two
+# calibration graphs read 1755 and 1605 MHz against 1725 and 1620 for the same graphs'
+# ablation rows (RESULTS.md, 2026-12-02). One second was not enough: W1's calibration replays
+# then drew 576-582 W where the same graphs drew 689-693 W after 2 s of their steps
+# (RESULTS.md, 2026-12-03).
 # The ablation's rows run as long (3 s) before they are timed.
 
 
@@ -456,13 +457,13 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
     hoisted regions outside it), and a line saying what was matched. What a replay predicts
     is the replayed kernels' time, which an eager profile can miss: on the H200, W2 FLUX.2's
     unfused QK-norm + RoPE graph held 420.5 ms of profiled kernels per call against 380.4 ms
-    for its timed replay (RESULTS.md, session 7). ``(None, why)`` where the profiler saw no
+    for its timed replay (RESULTS.md, 2026-11-30). ``(None, why)`` where the profiler saw no
     replayed kernels or too few of them matched.
 
     ``during`` (a :class:`kopt.power.ClockSampler`) is entered around the steady and the
     profiled replays only: the GPU idles at its highest clock while the profiler starts and
-    while its trace is read, and a sampler around the whole call recorded that clock (session
-    20: 1980 MHz for W1's calibration graph, whose ablation row ran at 1830 MHz)."""
+    while its trace is read, and a sampler around the whole call recorded that clock (1980 MHz
+    for W1's calibration graph, whose ablation row ran at 1830 MHz; RESULTS.md, 2026-12-02)."""
     order_run = _Annotated(gm)
     # as the timed calls run it (kopt.ablate): two eager calls, then the capture
     runner = CudaGraphRunner(gm, warmup=2, clone_outputs=False)
