@@ -414,7 +414,7 @@ def test_device_model_json_round_trip(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_h200_model_predicts_the_gemm_epilogue_losing_in_eager_as_measured() -> None:
-    """W1's ablation of the GEMM epilogue (RESULTS.md, session 4): replacing _scaled_mm + add
+    """W1's ablation of the GEMM epilogue (RESULTS.md, 2026-11-30, H200): replacing _scaled_mm + add
     by kopt's Triton GEMM at 238 sites cost 55.5 ms per call eager, the Triton launcher's host
     time. The shipped model has that host cost per launch, so it predicts the eager loss."""
     m, n = 4096, 3072
@@ -954,7 +954,7 @@ def test_the_fit_takes_each_graphs_clock_out_of_its_gemm_rates() -> None:
 def test_kernels_per_op_is_the_mean_over_the_ops_nodes() -> None:
     """An op whose nodes launch one kernel or two (W1's ``_scaled_mm``: 358 and 360) counts the
     mean per node, so that a graph's predicted launches are the profiled ones; the median (2)
-    counted 2218 launches per call against 1860 replayed (session 25)."""
+    counted 2218 launches per call against 1860 replayed (RESULTS.md, 2026-12-03, H200)."""
     from kopt.cost.calibrate import _kernels_per_op, _Sample
     from kopt.profile import NodeCost
 
