@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,24 +31,10 @@ if "--device" in sys.argv and "cpu" in sys.argv:
 
 import torch  # noqa: E402
 
+from kopt.bench import per_call_us  # noqa: E402
 from kopt.codegen import gemm as g  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-
-
-def per_call_us(f: Callable[[], Any], calls: int) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(10):
-        f()
-    sync()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            f()
-        best = min(best, (time.perf_counter_ns() - t0) / calls / 1e3)
-        sync()
-    return best
 
 
 def operands(device: str, m: int = 128, n: int = 3072, k: int = 3072) -> tuple:

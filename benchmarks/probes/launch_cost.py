@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.fx import Interpreter
 
-from benchmarks.gemm_launch_cost import per_call_us
 from kopt.api import optimize_captured
+from kopt.bench import per_call_us
 from kopt.capture import capture_module
 from kopt.codegen import rowwise as rw
 from kopt.models import build
