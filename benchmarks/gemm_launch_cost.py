@@ -81,7 +81,8 @@ def main() -> None:
         # with the GPU's config list (the interpreter's has one config)
         triton.autotune = lambda **kw: (lambda fn: _NoLaunch())
         cuda_configs = g.gemm_configs
-        g.gemm_configs = lambda m, n, k, fp8, interpreted=False: cuda_configs(m, n, k, fp8)
+        g.gemm_configs = lambda m, n, k, fp8, interpreted=False, **kw: \
+            cuda_configs(m, n, k, fp8, **kw)
         for tma in (False, True):
             rows.append((f"gemm() launcher code, Triton launch stubbed, TMA descriptors {tma}",
                          per_call_us(lambda tma=tma: g.gemm(*call, fp8=True, use_tma=tma), n)))
