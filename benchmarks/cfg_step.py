@@ -22,18 +22,32 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from benchmarks.forward import report, time_ms
 from kopt.api import optimize_captured
+from kopt.bench import median_ms
 from kopt.capture import capture_module, flatten_inputs
+from kopt.graph.regions import cached_regions
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
-from kopt.passes.hoist import cached_regions
 from kopt.verify import VerifyOptions, relative_error
+
+
+def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    return median_ms(fn, iters, warmup, device="cuda")
+
+
+def report(row: dict, out: str | None) -> None:
+    """Print a run's figures and, with ``out``, write them as JSON for RESULTS.md."""
+    print(json.dumps(row, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump(row, f, indent=1)
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 
     python -m benchmarks.gemm_launch_cost [--calls 500] [--device cpu]
 
-Session 13 measured ~240 us of host time per ``kopt::fp8_gemm`` call in W1's graph (against
-38 us for a cuBLAS ``_scaled_mm``), which keeps ``triton_gemm`` off by default. This times,
+On the H200 a ``kopt::fp8_gemm`` call in W1's graph took ~240 us of host time against 38 us
+for a cuBLAS ``_scaled_mm``, and a ``gemm()`` call still ~38 us against ~15 with the direct
+launch (RESULTS.md, 2026-12-01), which keeps ``triton_gemm`` off by default. This times,
 per call, on a W1 text-token shape (128 x 3072 @ 3072 x 3072, e4m3, rowwise scales, bias):
 
 * CUDA: the op through the dispatcher, :func:`kopt.codegen.gemm.gemm` without it, and
@@ -30,7 +31,7 @@ if "--device" in sys.argv and "cpu" in sys.argv:
 
 import torch  # noqa: E402
 
-from benchmarks.launch_cost import per_call_us  # noqa: E402
+from kopt.bench import per_call_us  # noqa: E402
 from kopt.codegen import gemm as g  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -46,7 +47,7 @@ def operands(device: str, m: int = 128, n: int = 3072, k: int = 3072) -> tuple:
     return a, b, sa, sb, bias
 
 
-# the op as kopt registered it until session 14: a torch.library.custom_op (same reference)
+# the op as kopt registered it until 2026-12-01: a torch.library.custom_op (same reference)
 @torch.library.custom_op("kopt_probe::fp8_gemm", mutates_args=())
 def fp8_gemm_custom_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                        scale_b: torch.Tensor, bias: torch.Tensor | None,
@@ -80,7 +81,8 @@ def main() -> None:
         # with the GPU's config list (the interpreter's has one config)
         triton.autotune = lambda **kw: (lambda fn: _NoLaunch())
         cuda_configs = g.gemm_configs
-        g.gemm_configs = lambda m, n, k, fp8, interpreted=False: cuda_configs(m, n, k, fp8)
+        g.gemm_configs = lambda m, n, k, fp8, interpreted=False, **kw: \
+            cuda_configs(m, n, k, fp8, **kw)
         for tma in (False, True):
             rows.append((f"gemm() launcher code, Triton launch stubbed, TMA descriptors {tma}",
                          per_call_us(lambda tma=tma: g.gemm(*call, fp8=True, use_tma=tma), n)))
@@ -88,7 +90,7 @@ def main() -> None:
         rows += [  # 8 x 16 @ 16 x 16: the reference's arithmetic is negligible
             ("torch.ops.kopt.fp8_gemm (dispatcher + CPU reference), 8 x 16 @ 16 x 16",
              per_call_us(lambda: op(*small), n)),
-            ("the same as a torch.library.custom_op (kopt's registration until session 14)",
+            ("the same as a torch.library.custom_op (kopt's registration until 2026-12-01)",
              per_call_us(lambda: torch.ops.kopt_probe.fp8_gemm.default(*small), n)),
             ("the CPU reference alone (no dispatcher), 8 x 16 @ 16 x 16",
              per_call_us(lambda: g.gemm_reference(*small, fp8=True), n)),

@@ -24,9 +24,9 @@ from kopt.capture import (
 from kopt.cudagraphs import CudaGraphRunner, NotCapturable, not_capturable, replay_region
 from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
+from kopt.graph.regions import CachedRegion, cached_regions
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
-from kopt.passes.hoist import CachedRegion, cached_regions
 from kopt.passes.pipeline import format_pass_line
 from kopt.runtime import ExecutionPlan, build_plan
 from kopt.verify import VerifyOptions

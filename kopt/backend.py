@@ -40,12 +40,12 @@ INNER = ("inductor", "eager")
 
 # Fusions that Inductor's own fused kernel for the same subgraph does as well: under Inductor
 # they are left to Inductor unless the caller's config names them. Pass name -> why.
-# (fuse_act_quant was here until session 9: its stashed two-pass kernel now takes 0.77x, 0.98x
-# and 0.91x of Inductor's time on the W1, W2 and LLM image-token shapes; benchmarks/RESULTS.md.)
+# (Not fuse_act_quant: its stashed two-pass kernel takes 0.77x, 0.98x and 0.91x of Inductor's
+# time on the W1, W2 and LLM image-token shapes; RESULTS.md, 2026-11-30, H200.)
 LEFT_TO_INDUCTOR = {
     "fuse_act": "Inductor fuses the activation and the concatenation into its own kernels",
     # kopt's kernel is Inductor's form: 1.01x / 1.00x Inductor's time at W1 / W2's joint V
-    # (H200, RESULTS.md session 18), a tie, not a win; Inductor can also fuse the copy into
+    # (RESULTS.md, 2026-12-01, H200), a tie, not a win; Inductor can also fuse the copy into
     # the ops around it
     "cat_rows": "Inductor's kernel for the same concatenation is as fast (1.00-1.01x)",
 }

@@ -2,7 +2,8 @@
 
 Warm-up calls first (compilation, allocator, caches), then ``iters`` timed calls; the median is
 returned. On CUDA each call is bracketed by events and synchronised, so the figure is device
-time including launch gaps; on the CPU it is ``perf_counter`` time.
+time including launch gaps; on the CPU it is ``perf_counter`` time. :func:`per_call_us` times
+the host's side of a call alone (what a launch costs the CPU).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,13 +45,30 @@ def median_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 3,
     return statistics.median(times)
 
 
+def per_call_us(f: Callable[[], Any], calls: int) -> float:
+    """Host time (us) of one call of ``f``: the least of 5 means over ``calls`` calls back to
+    back, after 10 warm-up calls. CUDA is synchronised between the batches, not inside one, so
+    for kernels shorter than their launch the figure is the host's."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(10):
+        f()
+    sync()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            f()
+        best = min(best, (time.perf_counter_ns() - t0) / calls / 1e3)
+        sync()
+    return best
+
+
 # Seconds a graph runs before it is timed: a GPU at its power cap reaches its sustained clock
-# only after some seconds of load. On the H200 (session 25, W1 in FP8), a graph timed right
-# after its build drew 497-576 W (NVML) where the same graph drew 689-693 W after 2 s of its
-# steps, and the first timing of W1's merged-projection graph read 88.2 ms against 90.6
-# sustained (90.0-90.8 over five more rounds): the more power-hungry a graph, the more its
-# first timing gains, so a difference of two rows timed that way is not a difference at the
-# sustained clock.
+# only after some seconds of load. On the H200 (W1 in FP8), a graph timed right after its
+# build drew 497-576 W (NVML) where the same graph drew 689-693 W after 2 s of its steps, and
+# the first timing of W1's merged-projection graph read 88.2 ms against 90.6 sustained
+# (RESULTS.md, 2026-12-03, H200): the more power-hungry a graph, the more its first timing
+# gains, so a difference of two rows timed that way is not a difference at the sustained clock.
 STEADY_S = 3.0
 
 

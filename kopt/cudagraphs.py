@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from kopt.passes.hoist import CachedRegion, trailing_views
+from kopt.graph.regions import CachedRegion, trailing_views
 from kopt.runtime import is_dense, plan_region
 
 log = logging.getLogger("kopt")
@@ -41,7 +41,7 @@ def split_hoisted(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, fx.GraphMo
     body takes the inputs plus one extra input per region (its output tuple). ``(None, gm)``
     when there is no region, or a region reads something other than graph inputs.
 
-    A region's trailing views (:func:`kopt.passes.hoist.trailing_views`) move into the body:
+    A region's trailing views (:func:`kopt.graph.regions.trailing_views`) move into the body:
     the prelude's region returns their bases, which the runner copies into the graph's
     buffers, and the replay cuts them for free. The prelude's regions are then new
     :class:`CachedRegion` modules of their own (their cache apart from ``gm``'s, whose eager

@@ -14,7 +14,7 @@ measured in the run: SDPA alone on each recorded shape, without a mask, bf16 ope
 A GPU at its power cap runs below its highest clock, and its peak with it: the floor at a
 variant's clock scales both terms by ``highest clock / the variant's clock`` (the attention
 term by the clock SDPA alone ran at over the variant's). On the H200, W2's FP8 graph runs
-at 1425-1440 MHz of 1980 (RESULTS.md, sessions 20-21).
+at 1425-1440 MHz of 1980 (RESULTS.md, 2026-12-02).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A GPU at its power cap lowers its clocks: on the H200 (700 W) FLUX.2's FP8 graph runs at a
 median 1440 MHz against 1635 for its BF16 graph, and its unchanged FP8 GEMMs take 4% less time
-once the unfused QK-norm + RoPE kernels sit beside them (RESULTS.md, session 20). A kernel's
+once the unfused QK-norm + RoPE kernels sit beside them (RESULTS.md, 2026-12-02). A kernel's
 time then depends on the power drawn by the graph around it, which a per-op rate cannot see;
 :class:`ClockSampler` records it beside a timing so that a measurement says at what clock it
 was made.

@@ -10,7 +10,7 @@ Each node also gets its FLOPs (``torch.utils.flop_counter``, per op) and the byt
 writes (its tensors' sizes), so a report can say how close a node came to the device's peak
 rate or bandwidth.
 
-The time per call is split into categories by the node's op (:func:`op_category`): GEMMs,
+The time per call is split into categories by the node's op (:func:`kopt.graph.op_category`): GEMMs,
 attention, quantization, the rest element-wise (norms, pointwise chains, copies, fused row-wise
 kernels), and launch gaps = wall time - busy time (the device idle between kernels on CUDA; the
 graph's Python and dispatch between ops on the CPU). With a device model (``kopt.cost``) each
@@ -38,44 +38,15 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from kopt.bench import STEADY_S
+from kopt.cudagraphs import CudaGraphRunner
+from kopt.graph import CATEGORIES, op_category, qualified_name
 
 PREFIX = "kopt::node::"
 ITERATION = "kopt::call::"
 # op events the attribution counts: what the graph's nodes dispatch to (aten and kopt's ops)
 _OP_PREFIXES = ("aten::", "kopt::", "prims::")
 
-CATEGORIES = ("gemm", "attention", "quantization", "elementwise")
 GAPS = "launch gaps"
-
-# op -> category, by qualified op name (``aten::mm``, ``kopt::fp8_gemm``): the same names the
-# profiler gives the events, so nodes and events (inside a hoisted region, unattributed) agree.
-_GEMM_OPS = frozenset({
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-    "aten::_scaled_mm", "aten::_scaled_grouped_mm", "aten::convolution", "aten::_convolution",
-    "kopt::fp8_gemm", "kopt::bf16_gemm", "kopt::fp8_blockwise_mm",
-})
-
-
-def op_category(qualified: str) -> str:
-    """``gemm``, ``attention``, ``quantization`` or ``elementwise`` for an op name such as
-    ``aten::addmm`` or ``kopt::quant_fp8_rowwise`` (kopt's generated GEMM-with-epilogue ops are
-    GEMMs: their names end in ``_gemm``)."""
-    ns, _, name = qualified.partition("::")
-    if qualified in _GEMM_OPS or (ns == "kopt" and name.endswith(("_gemm", "_mm"))):
-        return "gemm"
-    if "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention")):
-        return "attention"
-    if ns == "kopt" and (name.startswith("quant_") or "act_quant" in name):
-        return "quantization"
-    return "elementwise"
-
-
-def qualified_name(target: Any) -> str:
-    """``aten::linear`` for ``torch.ops.aten.linear.default``; the Python name otherwise."""
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return schema.name
-    return getattr(target, "__name__", str(target))
 
 
 class Ceilings(Protocol):
@@ -468,11 +439,12 @@ def replay_launches(events: Sequence[RawEvent], iters: int
 
 # profile_replay replays for STEADY_S before it profiles: a few replays of a short graph
 # can end before a GPU at its power cap has lowered its clock to what longer timed calls run
-# at (H200, session 20: W1's calibration replays sampled 1980 MHz while its ablation rows,
-# timed longer, ran at 1590-1980). With it, and the clock sampled during the replays only,
-# W1's two calibration graphs read 1755 and 1605 MHz against 1725 and 1620 for the same
-# graphs' ablation rows (session 21). One second was not enough: W1's calibration replays then
-# drew 576-582 W where the same graphs drew 689-693 W after 2 s of their steps (session 25).
+# at (H200: W1's calibration replays sampled 1980 MHz while its ablation rows, timed longer,
+# ran at 1590-1980). With it, and the clock sampled during the replays only, W1's two
+# calibration graphs read 1755 and 1605 MHz against 1725 and 1620 for the same graphs'
+# ablation rows (RESULTS.md, 2026-12-02). One second was not enough: W1's calibration replays
+# then drew 576-582 W where the same graphs drew 689-693 W after 2 s of their steps
+# (RESULTS.md, 2026-12-03).
 # The ablation's rows run as long (3 s) before they are timed.
 
 
@@ -485,15 +457,13 @@ def profile_replay(gm: fx.GraphModule, inputs: Sequence[Any], eager: Attribution
     hoisted regions outside it), and a line saying what was matched. What a replay predicts
     is the replayed kernels' time, which an eager profile can miss: on the H200, W2 FLUX.2's
     unfused QK-norm + RoPE graph held 420.5 ms of profiled kernels per call against 380.4 ms
-    for its timed replay (RESULTS.md, session 7). ``(None, why)`` where the profiler saw no
+    for its timed replay (RESULTS.md, 2026-11-30). ``(None, why)`` where the profiler saw no
     replayed kernels or too few of them matched.
 
     ``during`` (a :class:`kopt.power.ClockSampler`) is entered around the steady and the
     profiled replays only: the GPU idles at its highest clock while the profiler starts and
-    while its trace is read, and a sampler around the whole call recorded that clock (session
-    20: 1980 MHz for W1's calibration graph, whose ablation row ran at 1830 MHz)."""
-    from kopt.cudagraphs import CudaGraphRunner
-
+    while its trace is read, and a sampler around the whole call recorded that clock (1980 MHz
+    for W1's calibration graph, whose ablation row ran at 1830 MHz; RESULTS.md, 2026-12-02)."""
     order_run = _Annotated(gm)
     # as the timed calls run it (kopt.ablate): two eager calls, then the capture
     runner = CudaGraphRunner(gm, warmup=2, clone_outputs=False)

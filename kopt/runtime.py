@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kopt.codegen.launch import DirectOp, bitwise_equal
 from kopt.codegen.ops import CUDA_IMPLS, REFERENCES
+from kopt.graph.regions import CachedRegion, cached_regions
 from kopt.graph.splice import copy_graph_module, inline_graph
-from kopt.passes.hoist import CachedRegion, cached_regions
 from kopt.verify import mutated_attributes, random_inputs
 
 log = logging.getLogger("kopt")

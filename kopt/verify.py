@@ -36,8 +36,7 @@ from torch.utils import _pytree as pytree
 
 from kopt.codegen import FP64_REFERENCES
 from kopt.graph import attr
-from kopt.passes.base import Verdict
-from kopt.patterns.core import Numerics
+from kopt.patterns.core import LOCAL_REFERENCE, Numerics, Verdict
 
 # The one tolerance table: per output dtype, the relative error below which an original is not
 # taken as the bar. These are torch.testing.assert_close's default rtols (~22, ~4 and ~2
@@ -232,10 +231,6 @@ def _to64(x: Any) -> Any:
 
 def _dtype64(x: Any) -> Any:
     return torch.float64 if isinstance(x, torch.dtype) and x in _UPCAST else x
-
-
-# node.meta key: (fp64 function, names of the nodes whose values are its arguments)
-LOCAL_REFERENCE = "kopt_local_reference"
 
 
 class _LocalCheck(fx.Interpreter):

@@ -1,5 +1,6 @@
 """act + quant with the whole row in registers (one pass, two tiles) against the default stashing
-two-pass kernel, now that the activation costs about half the instructions (session 16); and
+two-pass kernel, now that the activation costs about half the instructions (RESULTS.md,
+2026-12-01); and
 the NVFP4 quantizer's tiling (rows per program x warps). Each replayed from a CUDA graph over
 rotating inputs; outputs checked bitwise against the default's.
 
@@ -34,7 +35,7 @@ def act() -> None:
         moved = x.numel() * 2 * (2 if up is not None else 1) + x.numel()
         sets = [dict(zip(("x", "up"), act_inputs(case, seed=s), strict=True))
                 for s in range(max(2, -(-4 * L2_BYTES // moved)))]
-        configs = {"stash (the default to session 15)": _config(case.features)}
+        configs = {"stash (the earlier default)": _config(case.features)}
         configs["default"] = _config(case.features, case.activation)
         for warps in (8, 16, 32):
             for merged in (False, True):

@@ -1,5 +1,5 @@
 """act + FP8 quant with its stash: the activation's inputs loaded with L2's evict-first policy
-(``STREAM``, since session 15 the SwiGLUs' default) or the default policy, timed alternately in
+(``STREAM``, the SwiGLUs' default) or the default policy, timed alternately in
 one process at W1/W2/LLM shapes.
 
     python -m benchmarks.probes.act_stream

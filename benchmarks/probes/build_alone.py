@@ -2,10 +2,10 @@
 
     python -m benchmarks.probes.build_alone --model qwen-image --fp8 --without merge_projections
 
-W1's merge_projections saves 3.25-3.40 ms a call in the ablation's leave-one-out rows (session
-26, c1 and c2: each row's graph built, timed at the sustained clock, then freed before the
-next is built) and 1.6-1.7 ms where both graphs are built first, held, and timed alternately
-(session 25's ``row_protocol``, session 26's ``miss_in_step``). This times the pair both ways
+W1's merge_projections saves 3.25-3.40 ms a call in the ablation's leave-one-out rows (two
+runs: each row's graph built, timed at the sustained clock, then freed before the next is
+built) and 1.6-1.7 ms where both graphs are built first, held, and timed alternately
+(``row_protocol``, ``miss_in_step``; RESULTS.md, 2026-12-03, H200). This times the pair both ways
 in one process, round after round (the order reversed every other round):
 
 - ``alone``: each graph built and timed by the ablation's own row function

@@ -3,7 +3,7 @@
     python -m benchmarks.probes.gc_miss --model qwen-image --fp8 --without merge_projections
 
 The ablation's rows measure W1's merge_projections at 3.2-3.4 ms a call where both graphs
-timed in one process measure 1.6-1.7 (RESULTS.md, sessions 25-26), and the unmerged graph's
+timed in one process measure 1.6-1.7 (RESULTS.md, 2026-12-03, H200), and the unmerged graph's
 miss is host-bound. One candidate: the ablation's process holds more Python objects (every
 row's counts), so the collector could cost the miss more there. This builds "all" and "all -
 PASS" on the meta device (no GPU: each op dispatches to its meta kernel, so a call is the host
@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.probes.replay_split import build_pair, pair_options
 from kopt.cost.counts import count_graph, region_kind
-from kopt.passes.hoist import CachedRegion
+from kopt.graph.regions import CachedRegion
 
 
 class Collections:

@@ -1,5 +1,5 @@
 """Where kopt's GEMM launch spends its host time on the GPU machine (cProfile), and what a
-launch that skips Triton's autotuner / JIT dispatch costs (the prototype of session 15's
+launch that skips Triton's autotuner / JIT dispatch costs (the prototype of
 ``kopt.codegen.gemm._Direct``; with it in kopt, the profiled ``gemm()`` calls take that path).
 
     python benchmarks/probes/gemm_host_profile.py

@@ -24,9 +24,9 @@ from kopt.api import optimize_captured
 from kopt.bench import median_ms
 from kopt.capture import Captured, capture_module
 from kopt.cudagraphs import CudaGraphRunner
+from kopt.graph.regions import CachedRegion
 from kopt.models import build
 from kopt.passes.config import FP8Config, PassConfig
-from kopt.passes.hoist import CachedRegion
 from kopt.verify import VerifyOptions
 
 

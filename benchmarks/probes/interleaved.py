@@ -3,14 +3,14 @@
     python -m benchmarks.probes.interleaved --model qwen-image --fp8 --without PASS ...
 
 The ablation times each row once, one after another; on the H200 the same W1 graph then
-measures up to 3 ms apart within one run (session 23), more than a small pass saves. Here
-the all-passes graph and each "all - PASS" graph are built once and timed in turn, round
+measures up to 3 ms apart within one run (RESULTS.md, 2026-12-02), more than a small pass
+saves. Here the all-passes graph and each "all - PASS" graph are built once and timed in turn, round
 after round (the ablation's step: ``calls_per_step`` calls on a new timestep, synchronized),
 and each pass's saving is the median over the rounds of its row less the round's all-passes
 time. ``--hits`` also times each graph on one step's inputs over and over, so that every call
 hits the hoisted caches: the saving in the replay alone, the rest being the regions' miss. Each
 row prints the SM clock and power it ran at (NVML): W1's merged and unmerged graphs ran at
-different clocks in session 24's timed rows.
+different clocks in the timed rows of 2026-12-03 (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def main() -> None:
             times, clocks = {}, {}
             for hits in (False, True) if args.hits else (False,):
                 # the order reversed every other round: a graph timed first in every round
-                # would run after the idle between rounds, at a higher clock (session 25)
+                # would run after the idle between rounds, at a higher clock (RESULTS.md,
+                # 2026-12-03)
                 for name, run in (list(runners.items())[::-1 if r % 2 else 1]):
                     row = f"{name} (hits)" if hits else name
                     with ClockSampler("cuda") as sampler:  # the clock each row ran at

@@ -2,9 +2,10 @@
 
     python -m benchmarks.probes.miss_in_step --model qwen-image --fp8 --without merge_projections
 
-Session 24's interleaved probe put W1's unmerged miss at about 3.9 ms a step (steps on new
-timesteps less steps that hit), where :func:`benchmarks.probes.hoist_miss.phased` measured
-6.2-10.9 ms of host time for it (session 25, c1 and c2), and the cost model prices 6.7. This
+The interleaved probe put W1's unmerged miss at about 3.9 ms a step (steps on new timesteps
+less steps that hit), where :func:`benchmarks.probes.hoist_miss.phased` measured 6.2-10.9 ms
+of host time for it in two runs, and the cost model prices 6.7 (RESULTS.md, 2026-12-03, H200).
+This
 builds "all" and "all - PASS" and prints for each, in rounds (the order reversed every other):
 
 - the step's ms per call on new timesteps (a miss per step) and on one timestep (hits), and
@@ -25,7 +26,7 @@ from benchmarks.probes.hoist_miss import step_ms
 from benchmarks.probes.replay_split import build_pair, order, pair_options, print_differences
 from kopt.cost.counts import region_kind
 from kopt.cudagraphs import CudaGraphRunner
-from kopt.passes.hoist import CachedRegion
+from kopt.graph.regions import CachedRegion
 
 
 class TimedPrelude:

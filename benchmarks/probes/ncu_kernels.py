@@ -9,7 +9,7 @@ NVFP4 quantizer, each at W1 and W2 rows followed by a copy of its input; act + q
 GELU(tanh) image and text rows and W2's SwiGLU image rows (fast math). Each kernel runs
 ``NCU_REPS`` times (3).
 With ``TRITON_CACHE_DIR`` set, the compiled kernels (PTX, cubin: ``cuobjdump -sass``) land
-there: session 15 counted instructions per value from them (benchmarks/RESULTS.md).
+there: RESULTS.md's instruction counts per value (2026-12-01, H200) come from them.
 """
 
 from __future__ import annotations

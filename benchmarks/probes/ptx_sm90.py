@@ -8,8 +8,8 @@ replaced, so the arguments, constexprs and ``num_warps`` are the ones a GPU laun
 :func:`compile_sm90` then applies the JIT's specialisation (an integer equal to 1 becomes a
 constant, pointers and integers divisible by 16 get the divisibility attribute that lets loads
 and stores vectorise) before compiling with Triton's bundled ptxas. Without that, a stride of 1
-stays a runtime value and every load is a scalar 16-bit one: the PTX counts of session 15's
-script for act + quant were of such a kernel (benchmarks/RESULTS.md, session 16).
+stays a runtime value and every load is a scalar 16-bit one: the first PTX counts for act +
+quant were of such a kernel (RESULTS.md, 2026-12-01).
 
 Counts are PTX, not SASS (ptxas schedules and may merge or expand), and count what one thread
 executes per loop iteration: divide by the values a thread holds per iteration.

@@ -2,8 +2,9 @@
 
     python -m benchmarks.probes.replay_split --model qwen-image --fp8 --without merge_projections
 
-Session 24 measured W1's merge_projections saving 1.08 ms per replay (timed, caches hit)
-where the calibration's replay profile had its kernels saving 2.05 ms, as the model predicts.
+W1's merge_projections saved 1.08 ms per replay (timed, caches hit) where the calibration's
+replay profile had its kernels saving 2.05 ms, as the model predicts (RESULTS.md, 2026-12-03,
+H200).
 This builds "all" and "all - PASS" once and, round after round (the order reversed every other
 round), for each graph:
 

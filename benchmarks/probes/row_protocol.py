@@ -1,6 +1,6 @@
 """Does the ablation's timing protocol change what a pass measures? W1's merge_projections
 measured 3.12-3.26 ms by the ablation's rows and 1.78-1.82 by the interleaved probe
-(sessions 23-24), each stable across two calls.
+(RESULTS.md, 2026-12-02 and 2026-12-03, H200), each stable across two calls.
 
     python -m benchmarks.probes.row_protocol --model qwen-image --fp8 --without merge_projections
 
@@ -30,7 +30,7 @@ from benchmarks.probes.replay_split import build_pair, order, pair_options, prin
 from kopt.ablate import stepper
 from kopt.bench import median_ms
 from kopt.cudagraphs import CudaGraphRunner
-from kopt.passes.hoist import CachedRegion
+from kopt.graph.regions import CachedRegion
 from kopt.power import ClockSampler
 
 

@@ -507,8 +507,8 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False, *
     tiles give more CTAs and deep pipelines keep loads in flight; 64 rows is wgmma's smallest M;
     split-K where fewer column tiles than the H200's 132 SMs run a long K.
     The lists keep what a sweep of 30 configs on the W1/W2 shapes found within a few percent of
-    the best on each (``python -m benchmarks.kernels_gemm --sweep``, benchmarks/RESULTS.md,
-    session 13). The interpreter gets one small tile, so awkward shapes exercise every mask
+    the best on each (``python -m benchmarks.kernels_gemm --sweep``; RESULTS.md, 2026-12-01,
+    H200). The interpreter gets one small tile, so awkward shapes exercise every mask
     quickly.
 
     ``blockwise`` (1x128 x 128x128 scales, applied at each K step): 128-wide column tiles and
@@ -516,7 +516,7 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False, *
     (twice the registers: no 128x256 tiles, and 128 rows take two warpgroups). On the H200 at
     W1's shapes the two 128-row tiles were within 2% of each other, and 64 rows won on the
     128-row text GEMM with the long K (48.5 us against 62.8); 128 rows on one warpgroup were
-    2-8x slower (benchmarks/RESULTS.md, session 24). The GEMV tiles (M <= 64) are not measured.
+    2-8x slower (RESULTS.md, 2026-12-03). The GEMV tiles (M <= 64) are not measured.
     ``quant_out`` (1x128 groups of the output quantized in the epilogue): column tiles of whole
     groups."""
     if blockwise:
@@ -529,7 +529,8 @@ def gemm_configs(m: int, n: int, k: int, fp8: bool, interpreted: bool = False, *
     bk = 128 if fp8 else 64
     if m <= 64:
         # split-K where the column tiles leave SMs idle over a long K (an LLM's decode down
-        # projection, 1 x 4096 x 12288: 29.5 -> 23.3 us, 0.61 of cuBLAS's time; session 18)
+        # projection, 1 x 4096 x 12288: 29.5 -> 23.3 us, 0.61 of cuBLAS's time; RESULTS.md,
+        # 2026-12-01)
         split = [gemm_config(64, 128, bk, 8, 4, 4, split_k=s) for s in (3, 4)] \
             if fp8 and -(-n // 128) < 132 and k >= 8192 else []
         return [gemm_config(64, 256, bk, 8, 4, 4), gemm_config(64, 128, bk, 1, 4, 4),
@@ -982,7 +983,7 @@ class _Direct:
     """A launch of the tuned config's compiled kernel straight through its launcher, without
     Triton's autotuner and JIT dispatch: on the H200's host they cost ~75 of the ~105 us a
     ``gemm()`` call took; the direct launch ~30 (``benchmarks/probes/gemm_host_profile.py``,
-    RESULTS.md session 15). Made once per launch key, from the first tuned call on CUDA, and
+    RESULTS.md, 2026-12-01). Made once per launch key, from the first tuned call on CUDA, and
     kept only if its output equals that call's bit for bit."""
 
     compiled: Any  # triton's CompiledKernel
@@ -1130,7 +1131,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
 # Whether a launch key whose call cuBLAS also computes (see ``_library_form``) times the two
 # once and keeps the faster (the extern-kernel choice of Inductor's max-autotune): the
 # template loses to cuBLAS at a few shapes (W1's 128-row text QKV, 1.04-1.05x its time), and
-# its blockwise GEMM at every W1 shape (1.36-1.74x; RESULTS.md session 24).
+# its blockwise GEMM at every W1 shape (1.36-1.74x; RESULTS.md, 2026-12-03, H200).
 LIBRARY_CHOICE = True
 
 
@@ -1171,7 +1172,7 @@ def _library_faster(launch: _Launch, args: list[Any], library: Callable[[], obje
     come from memory; a skinny GEMM's whole weight would stay in L2 between replays) and so
     keep the GPU busy while the host launches (a launch's host time does not count); each
     timed twice, alternately, and its faster median kept (the clock of a GPU at its power cap
-    moves between timings: whichever ran first looked slower in session 18's first try)."""
+    moves between timings: whichever ran first looked slower; RESULTS.md, 2026-12-01)."""
     from triton.testing import do_bench
 
     def timed(fn: Callable[[], object]) -> float:

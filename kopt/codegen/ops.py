@@ -3,10 +3,9 @@
 ``torch.library.custom_op`` wraps every call of an op in Python layers: an autograd function,
 a guard that keeps dynamo out of the implementation, output checks. For an inference kernel
 launched hundreds of times per model call those layers are host time: on the H200,
-``kopt::rowwise`` took 77.8 us per launch through them and 46.4 us without
-(``benchmarks/launch_cost.py``, RESULTS.md session 7). On this project's CPU machines
-(``benchmarks/launch_cost.py --device cpu``) the same call's dispatch costs 16.2 us registered
-here, 29.2 us as a ``custom_op``.
+``kopt::rowwise`` took 77.8 us per launch through them and 46.4 us without; on the CPU its
+dispatch costs 16.2 us registered here, 29.2 us as a ``custom_op``
+(``benchmarks/probes/launch_cost.py``; RESULTS.md, 2026-11-30, H200 and CPU).
 
 :func:`define` registers an op the plain way: its schema, the PyTorch reference as the kernel
 of every device (``CompositeExplicitAutograd``), the Triton implementation as the CUDA kernel,

@@ -369,7 +369,7 @@ def pw_div_by(a, b, rb, CUDA: tl.constexpr):
     bit is then set from a's (b > 0, so a nonzero quotient already has it; a different e4m3
     byte otherwise: measured on the H200; one LOP3 per value in SASS). Computing the residual
     negated to keep the zero's sign instead does not survive Triton 3.6's ``0 - x`` negation
-    (measured, session 16). Valid where the residuals
+    (measured; RESULTS.md, 2026-12-01). Valid where the residuals
     neither overflow nor underflow: for a quantizer's ``x / scale`` with ``|x| <= amax`` and
     ``scale ~ amax / 448`` it is exact down to |x| ~ 2^-100, below which the quotient is far
     below half the smallest e4m3 subnormal, so the e4m3 value is still exact. A multiply, four

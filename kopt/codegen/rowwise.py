@@ -44,7 +44,7 @@ what Inductor's fused kernels do. The residual stream ``h`` is the one value rou
 way (to x's dtype, as the stored stream later blocks read; the norm reads it so, as it does in
 Inductor's kernels, which store ``h`` and normalise it in the next kernel). Tier ``tolerance``
 either way. Why fp32 is the FP8 default: on W1 and W2 and on CPU Qwen-Image-shaped models its
-FP8 output error against eager BF16 is lower (benchmarks/RESULTS.md, session 10).
+FP8 output error against eager BF16 is lower (RESULTS.md, 2026-11-30).
 
 :func:`rowwise_reference` is the unfused computation (the CPU implementation and the verifier's
 reference); ``affine_after_round`` picks the norm's affine order: False applies weight/bias in
@@ -780,8 +780,8 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
     block, block2 = row_split(cols, min_block)
     if one_tile or not set(spec.outputs) & QUANTIZED:
         # the split pays off where the quantizers make the kernel instruction-bound; on the
-        # H200 (session 14, W1/W2 rows): the FP8-producing specs 10-31% faster split (one,
-        # already at copy speed, 1% slower), the bf16-only ones 3% slower to 1% faster
+        # H200 (W1/W2 rows; RESULTS.md, 2026-12-01): the FP8-producing specs 10-31% faster
+        # split (one, already at copy speed, 1% slower), the bf16-only ones 3% slower to 1% faster
         block, block2 = max(triton.next_power_of_2(cols), min_block), 0
     if block2:
         warps = split_warps(cols * tiled_rows)
@@ -849,9 +849,10 @@ def _plan(spec: RowwiseSpec, inputs: Sequence[torch.Tensor],
 
 def split_warps(values: int) -> int:
     """Warps for a program of ``values`` row values held as two tiles: about 48 per thread.
-    Swept on the H200 (session 14, LayerNorm + adaLN + FP8 at 12 rows x warps tilings, one row
-    per program): W1's 3072-wide rows 22.3 us at 2 warps against 24.4 at the one-tile rule's 4,
-    W2's 6144-wide 43.9 us at 4 against 52.0 at 8; the 1x128 variant within 2% either way."""
+    Swept on the H200 (RESULTS.md, 2026-12-01; LayerNorm + adaLN + FP8 at 12 rows x warps
+    tilings, one row per program): W1's 3072-wide rows 22.3 us at 2 warps against 24.4 at the
+    one-tile rule's 4, W2's 6144-wide 43.9 us at 4 against 52.0 at 8; the 1x128 variant within
+    2% either way."""
     return max(1, min(16, 1 << max(0, (values // (32 * 48)).bit_length() - 1)))
 
 

@@ -50,7 +50,7 @@ from torch import fx
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
 from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel, Prediction
-from kopt.passes.hoist import cached_regions
+from kopt.graph.regions import cached_regions
 from kopt.power import ClockSampler, read_power_limit
 from kopt.profile import Attribution, NodeCost, host_times, profile_graph, try_profile_replay
 
@@ -527,7 +527,7 @@ def _fit_region_nodes(model: DeviceModel, graphs: Sequence[Sequence[OpCount]],
     The regions are mostly views of one merged GEMM's output (W1: 718 unsqueeze, 360 split
     of 2182 nodes), whose generated code runs far faster than the graph's average node: at the
     average (``node_us``, 31 us) hoist's leave-one-out on W1 was predicted to lose 15.9 ms a
-    call against 2.1 measured (H200, session 22)."""
+    call against 2.1 measured (RESULTS.md, 2026-12-02, H200)."""
     per_node = []
     for graph, wall, miss in zip(graphs, wall_ms, miss_ms or [None] * len(graphs),
                                  strict=True):
@@ -713,8 +713,8 @@ def _kernels_per_op(samples: Sequence[_Sample]) -> dict[str, float]:
 
     The mean, not the median: W1's ``_scaled_mm`` nodes launch one kernel (358 nodes) or two
     (360), whose median, 2, counted 2218 launches per call of the unmerged graph against the
-    1860 its replays ran, and 480 fewer for merge_projections against the 360 measured (H200,
-    session 25). The mean (1.5) counts both exactly."""
+    1860 its replays ran, and 480 fewer for merge_projections against the 360 measured
+    (RESULTS.md, 2026-12-03, H200). The mean (1.5) counts both exactly."""
     per_op: dict[str, list[int]] = defaultdict(list)
     for s in samples:
         if s.count.kernel:

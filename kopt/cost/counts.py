@@ -26,7 +26,6 @@ the CUDA graph's replay, not in the eager prelude, where a runner captures one.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,17 +36,10 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils import flop_counter
 
-from kopt.graph import constant_nodes
-from kopt.passes.hoist import CachedRegion, trailing_views
-from kopt.profile import op_category, qualified_name
+from kopt.graph import constant_nodes, is_view, op_category, qualified_name
+from kopt.graph.regions import CachedRegion, trailing_views
 
 aten = torch.ops.aten
-
-# Ops that alias their input: no kernel, no bytes (``reshape`` is one only when its output
-# aliases, decided from the traced storages).
-_ALIASES = {aten._unsafe_view.default, aten.alias.default, aten.detach.default,
-            aten.lift_fresh.default, operator.getitem}
-_MAYBE_COPY = {aten.reshape.default, aten.contiguous.default}
 
 
 @dataclass(frozen=True)
@@ -77,7 +69,7 @@ class OpCount:
 
     node: str
     op: str  # qualified op name: aten::linear, kopt::rowwise
-    category: str  # gemm / attention / quantization / elementwise (kopt.profile.op_category)
+    category: str  # gemm / attention / quantization / elementwise (kopt.graph.op_category)
     dtype: str  # of the first floating-point input: what a GEMM's peak rate depends on
     flops: Any
     bytes: Any
@@ -86,7 +78,7 @@ class OpCount:
     dispatched: bool = True  # an aten/kopt op (False: Python such as operator.getitem)
     layout: str = ""  # "broadcast", "strided" (element-wise operands), "bias" (see layout)
     # a hoisted region's trailing view, which a CUDA graph's replay computes instead of the
-    # eager prelude (kopt.passes.hoist.trailing_views)
+    # eager prelude (kopt.graph.regions.trailing_views)
     replayed: bool = False
 
     @property
@@ -128,28 +120,6 @@ def meta_info(node: fx.Node) -> Any:
 
 def _leaves(info: Any) -> list[TensorInfo]:
     return [t for t in pytree.tree_leaves(info) if isinstance(t, TensorInfo)]
-
-
-def is_view(node: fx.Node) -> bool:
-    """True when the node launches nothing: an alias of its input."""
-    target = node.target
-    if target in _ALIASES:
-        return True
-    if target in _MAYBE_COPY:
-        out, src = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
-        if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)):
-            return False
-        if out.untyped_storage()._cdata == src.untyped_storage()._cdata:
-            return True
-        # a pass's new node carries a value traced on its own (another storage): a view
-        # whenever the input's strides allow one, as torch.reshape decides
-        try:
-            torch.empty_strided(src.shape, src.stride(), dtype=src.dtype,
-                                device="meta").view(out.shape)
-        except (RuntimeError, TypeError):
-            return False
-        return target is aten.reshape.default or src.is_contiguous()
-    return bool(getattr(target, "is_view", False))
 
 
 def _shape_args(args: Any, info: InfoOf) -> Any:

@@ -31,7 +31,7 @@ clock of a graph of compute-bound kernels only) times the graph's clock factor::
     clock factor            m(s)   = (P_c(s) / P_cap) ^ (-1 / clock_exponent)   (m(0) = 1)
 
 (dynamic power grows as the cube of the clock, the voltage rising with it), no lower than
-``1 / max_boost``. Measured on the H200 (RESULTS.md, session 20): FLUX.2's FP8 graph without
+``1 / max_boost``. Measured on the H200 (RESULTS.md, 2026-12-02): FLUX.2's FP8 graph without
 the QK-norm + RoPE fusion adds 96 ms of memory-bound kernels per call, and its unchanged FP8
 GEMMs then run 4% faster, its attention 5%.
 
@@ -66,7 +66,7 @@ class Prediction:
 # Time of a GEMM with a bias epilogue over the same GEMM without (rate key ``op[bias]``, see
 # :func:`kopt.cost.counts.layout`). H200, cuBLAS FP8 at W1's four GEMM shapes (4096 x {9216,
 # 3072, 12288, 3072} x {3072, 3072, 3072, 12288}): 799.8 us with a bias, 774.3 without
-# (benchmarks/probes/bias_add.py, RESULTS.md session 10). Without it, what absorbing the biases
+# (benchmarks/probes/bias_add.py; RESULTS.md, 2026-11-30). Without it, what absorbing the biases
 # saves was overpredicted by the whole epilogue's cost.
 EPILOGUE_SLOWDOWN: dict[str, float] = {"aten::_scaled_mm": 1.033}
 
@@ -176,7 +176,7 @@ class DeviceModel:
         the op's dispatch and launches. A node that dispatches nothing (``operator.getitem``
         of a split's tuple: a tuple index, tens of ns) costs nothing: charged ``node_us``,
         the 1082 getitems of W1's hoisted modulation region made its predicted miss 13 ms
-        slower (H200, session 21)."""
+        slower (RESULTS.md, 2026-12-02, H200)."""
         if not c.dispatched:
             return 0.0
         op = self.launches(c) * self.host_us.get(c.op, self.launch_us) if c.kernel else \
@@ -286,19 +286,22 @@ H200 = DeviceModel(
     bandwidth_gbs=4247.0,
     launch_us=4.0,
     # kopt's autotuned Triton GEMM through its custom op: the W1 ablation of the GEMM epilogue
-    # (session 4) measured 55.5 ms per call more host time for its 238 launches than for the
-    # _scaled_mm + add it replaced (the BF16 GEMM has the same launcher: assumed the same).
-    # Measured before the direct launch (session 15: the op's host time 122 -> 52 us against
-    # _scaled_mm's 15-17 in a microbenchmark); not refitted since: a trace's fit replaces it
+    # measured 55.5 ms per call more host time for its 238 launches than for the _scaled_mm +
+    # add it replaced (RESULTS.md, 2026-11-30; the BF16 GEMM has the same launcher: assumed the
+    # same).
+    # Measured before the direct launch (which took the op's host time 122 -> 52 us against
+    # _scaled_mm's 15-17 in a microbenchmark; RESULTS.md, 2026-12-01); not refitted since: a
+    # trace's fit replaces it
     host_us={"kopt::fp8_gemm": 240.0, "kopt::bf16_gemm": 240.0},
     view_us=1.0,
     graph_launch_us=1.0,
     kernel_us=1.5,
     # kopt::fp8_gemm: W1's 478 GEMMs replayed from a CUDA graph took 48.87-48.99 ms of kernel
-    # time against cuBLAS's 49.89 (session 13, persistent configs): 0.98x _scaled_mm's time
+    # time against cuBLAS's 49.89 (persistent configs; RESULTS.md, 2026-12-01): 0.98x
+    # _scaled_mm's time
     # aten::cat[strided]: ATen's cat of strided row slices (the joint [text; image] V out of
-    # merged QKV outputs), 81.3 us for W1's 51.9 MB (benchmarks/kernels_cat.py, session 9):
-    # 0.15 of the copy bandwidth. Traces of kopt's own graphs rarely hold one (cat_rows
+    # merged QKV outputs), 81.3 us for W1's 51.9 MB (benchmarks/kernels_cat.py; RESULTS.md,
+    # 2026-11-30): 0.15 of the copy bandwidth. Traces of kopt's own graphs rarely hold one (cat_rows
     # replaces it), and the fit would cost it at the contiguous cats' rate.
     efficiency={"gemm": 0.8, "aten::_scaled_mm": 0.58, "kopt::fp8_gemm": 0.59,
                 "kopt::fp8_blockwise_mm": 0.55, "attention": 0.55, "elementwise": 0.75,

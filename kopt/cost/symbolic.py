@@ -42,10 +42,10 @@ from kopt.cost.counts import OpCount, TensorInfo, count_graph, meta_info
 from kopt.cost.device import Prediction
 from kopt.cost.rank import CostModel, PassPrediction
 from kopt.graph import copy_graph_module
+from kopt.graph.regions import CachedRegion
 from kopt.models import Workload, build
 from kopt.passes import PassConfig, build_passes
 from kopt.passes.fold import FoldConstants
-from kopt.passes.hoist import CachedRegion
 
 B, S_IMG, S_TXT, S, C, D = sympy.symbols("B S_img S_txt S C D", positive=True, integer=True)
 # the latent grid of a DiT, patches per side (S_img = H_p * W_p): RoPE tables are built per axis

@@ -11,16 +11,20 @@ from kopt.graph.deps import (
     to_networkx,
 )
 from kopt.graph.query import (
+    CATEGORIES,
     attr,
     bias_add_operands,
     compact_paths,
     describe_node,
     fake_mode_of,
     is_tensor_node,
+    is_view,
     module_path,
     module_paths,
+    op_category,
     op_name,
     other_operand,
+    qualified_name,
     structural_key,
     tensor_meta,
     val,
@@ -36,6 +40,7 @@ from kopt.graph.splice import (
 )
 
 __all__ = [
+    "CATEGORIES",
     "add_constant",
     "attr",
     "bias_add_operands",
@@ -49,11 +54,14 @@ __all__ = [
     "infer_meta",
     "inline_graph",
     "is_tensor_node",
+    "is_view",
     "module_path",
     "module_paths",
+    "op_category",
     "op_name",
     "other_operand",
     "prune_unused_attributes",
+    "qualified_name",
     "stable_topo_sort",
     "structural_key",
     "tensor_meta",

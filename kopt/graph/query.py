@@ -1,13 +1,23 @@
-"""Read-only questions about nodes: their value, shape, dtype, and a printable op name."""
+"""Read-only questions about nodes: their value, shape, dtype, a printable op name, whether it
+is a view, and what kind of work its op is."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+aten = torch.ops.aten
+
+# Ops that alias their input: no kernel, no bytes (``reshape`` is one only when its output
+# aliases, decided from the traced storages).
+_ALIASES = {aten._unsafe_view.default, aten.alias.default, aten.detach.default,
+            aten.lift_fresh.default, operator.getitem}
+_MAYBE_COPY = {aten.reshape.default, aten.contiguous.default}
 
 
 def val(node: Any) -> Any:
@@ -170,3 +180,58 @@ def other_operand(node: fx.Node, one: fx.Node) -> Any:
     if b is one and a is not one:
         return a
     return None
+
+
+def is_view(node: fx.Node) -> bool:
+    """True when the node launches nothing: an alias of its input."""
+    target = node.target
+    if target in _ALIASES:
+        return True
+    if target in _MAYBE_COPY:
+        out, src = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+        if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)):
+            return False
+        if out.untyped_storage()._cdata == src.untyped_storage()._cdata:
+            return True
+        # a pass's new node carries a value traced on its own (another storage): a view
+        # whenever the input's strides allow one, as torch.reshape decides
+        try:
+            torch.empty_strided(src.shape, src.stride(), dtype=src.dtype,
+                                device="meta").view(out.shape)
+        except (RuntimeError, TypeError):
+            return False
+        return target is aten.reshape.default or src.is_contiguous()
+    return bool(getattr(target, "is_view", False))
+
+
+CATEGORIES = ("gemm", "attention", "quantization", "elementwise")
+
+# op -> category, by qualified op name (``aten::mm``, ``kopt::fp8_gemm``): the same names the
+# profiler gives the events, so nodes and events (inside a hoisted region, unattributed) agree.
+_GEMM_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+    "aten::_scaled_mm", "aten::_scaled_grouped_mm", "aten::convolution", "aten::_convolution",
+    "kopt::fp8_gemm", "kopt::bf16_gemm", "kopt::fp8_blockwise_mm",
+})
+
+
+def op_category(qualified: str) -> str:
+    """``gemm``, ``attention``, ``quantization`` or ``elementwise`` for an op name such as
+    ``aten::addmm`` or ``kopt::quant_fp8_rowwise`` (kopt's generated GEMM-with-epilogue ops are
+    GEMMs: their names end in ``_gemm``)."""
+    ns, _, name = qualified.partition("::")
+    if qualified in _GEMM_OPS or (ns == "kopt" and name.endswith(("_gemm", "_mm"))):
+        return "gemm"
+    if "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention")):
+        return "attention"
+    if ns == "kopt" and (name.startswith("quant_") or "act_quant" in name):
+        return "quantization"
+    return "elementwise"
+
+
+def qualified_name(target: Any) -> str:
+    """``aten::linear`` for ``torch.ops.aten.linear.default``; the Python name otherwise."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name
+    return getattr(target, "__name__", str(target))

@@ -28,7 +28,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     code is generated when it is first called or read (FX's lazy graph module, as Inductor
     uses), not at every edit: W1's 11650-node graph took 1.2 s per code generation, 31 of them
     in one optimization (on the meta device, 2 CPU cores: 70.7 s against 39.7 s lazily,
-    ``benchmarks/probes/optimize_time.py``, RESULTS.md session 25).
+    ``benchmarks/probes/optimize_time.py``; RESULTS.md, 2026-12-03).
     """
     graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
     out = graph.graph_copy(gm.graph, {})

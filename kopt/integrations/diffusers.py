@@ -12,7 +12,7 @@ anew; the specialisations share packed weights and hoisted caches.
 
 A CFG pair shares its timestep work: ``QwenImagePipeline`` computes ``timestep / 1000`` afresh
 for each of the two calls of a step, and the hoist pass matches such an equal key by value
-(:data:`kopt.passes.hoist.MAX_VALUE_KEY_ELEMENTS`), so the uncond call reuses the cond call's
+(:data:`kopt.graph.regions.MAX_VALUE_KEY_ELEMENTS`), so the uncond call reuses the cond call's
 timestep embedding and modulation GEMMs.
 
 Where kopt cannot apply, the transformer runs unmodified and a warning says where and why:

@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     pr.add_argument("--dry-run", action="store_true", help="count, remove nothing")
     mg = sub.add_parser("merge", parents=[common],
                         help="copy in the entries another knowledge base has and this one "
-                             "lacks (another machine's or session's)")
+                             "lacks (another machine's or run's)")
     mg.add_argument("other", help="the other knowledge base file")
     mk = sub.add_parser("mark", parents=[common],
                         help="record a verdict on a rewrite by hand (e.g. a dead end)")

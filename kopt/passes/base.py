@@ -20,22 +20,7 @@ from torch import fx
 
 from kopt.graph import stable_topo_sort
 from kopt.graph.splice import eliminate_dead
-from kopt.patterns.core import Match, Numerics, Rejection, Rewrite
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Outcome of verifying one pass (or one site) on fresh random inputs."""
-
-    passed: bool
-    tier: str
-    detail: str
-    # failed because the check itself could not run (e.g. the fp64 reference ran out of
-    # memory): says nothing about any one site, so bisecting the sites cannot help
-    unverifiable: bool = False
-
-    def __str__(self) -> str:
-        return f"{'passed' if self.passed else 'FAILED'} ({self.tier}: {self.detail})"
+from kopt.patterns.core import Match, Numerics, Rejection, Rewrite, Verdict
 
 
 @dataclass(frozen=True)

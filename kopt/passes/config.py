@@ -17,10 +17,10 @@ class FP8Config:
     """``rowwise``: weights per output channel, activations per token (``torch._scaled_mm``).
     ``blockwise``: weights in 128x128 blocks, activations in 1x128 groups (``F.scaled_mm``'s
     blockwise recipe on CUDA); linears whose features are not multiples of 128 stay as they
-    are, with that reason. On the H200 (benchmarks/RESULTS.md session 12) blockwise gives an
-    output error below naive FP8's on W1 and W2, where rowwise's is above it, at 0.92-0.97x of
-    naive FP8's time against rowwise's 0.86-0.95x (its GEMMs are slower, and its GEMM adds no
-    bias: the fused kernels after it do)."""
+    are, with that reason. Blockwise gives an output error below naive FP8's on W1 and W2,
+    where rowwise's is above it, at 0.92-0.97x of naive FP8's time against rowwise's 0.86-0.95x
+    (its GEMMs are slower, and its GEMM adds no bias: the fused kernels after it do; RESULTS.md,
+    2026-11-30, H200)."""
 
     min_features: int = 1024
     """Linears with fewer input or output features stay as they are (the naive FP8 recipe's
@@ -29,7 +29,7 @@ class FP8Config:
     intermediates: str = "fp32"
     """How the fused norm kernels (``rowwise_fusion``) compute: ``fp32`` from the residual
     update to the quantizer, each output rounded once (Inductor's order; a lower FP8 output
-    error against eager BF16 on W1 and W2: benchmarks/RESULTS.md session 10); ``eager``: every
+    error against eager BF16 on W1 and W2: RESULTS.md, 2026-11-30, H200); ``eager``: every
     step rounded to the model's dtype as the unfused ops do (the FP8 values bitwise those of
     the unfused graph, given the norm). See :mod:`kopt.codegen.rowwise`."""
 
@@ -37,9 +37,9 @@ class FP8Config:
     """How the fused activation + quantizer (``fuse_act_quant``) computes SiLU and GELU(tanh):
     ``fast``: ``x * sigmoid(v)`` with the GPU's approximate exp and reciprocal, a few fp32 ulp
     from exact, and the quotient by the FP8 scale as a product with its reciprocal (tolerance
-    tier; the kernel 1.17-1.65x faster at the W1/W2/W3 image-token shapes in session 11, 1.50-1.65x
-    more in session 16 (across two calls), the same output error on W1 and W2:
-    benchmarks/RESULTS.md); ``exact``: as
+    tier; the kernel 1.17-1.65x faster at the W1/W2/W3 image-token shapes, then 1.50-1.65x
+    faster again at half the instructions in one pass, with the same output error on W1 and
+    W2: RESULTS.md, 2026-11-30 and 2026-12-01, H200); ``exact``: as
     torch's CUDA kernels do (libdevice expf/tanhf, IEEE division; the FP8 values bitwise those
     of the unfused graph). See :mod:`kopt.codegen.kernels.act_quant`."""
 
@@ -99,7 +99,7 @@ class PassConfig:
     """SwiGLU (``silu(g) * u``) in one kernel instead of two, and an activation concatenated
     with another tensor (FLUX.2's single-stream blocks, BF16) written beside it with no copy;
     what ``fuse_act_quant`` leaves (no FP8 quantizer after it). Exact. W2 in BF16 on the H200:
-    444.0 ms per forward with it, 468.7 without (two runs of session 9; benchmarks/RESULTS.md)."""
+    444.0 ms per forward with it, 468.7 without (two runs; RESULTS.md, 2026-11-30)."""
 
     fuse_allreduce_norm: bool = True
     """Tensor-parallel graphs: the all-reduce of a row-parallel GEMM's partial sums, the
@@ -117,7 +117,7 @@ class PassConfig:
     """A concatenation of strided views (the V slices of a merged QKV output joined [text;
     image]) -> ``kopt::cat_rows``, whole-row vector copies instead of ATen's element-wise
     copy (~560 GB/s). Exact. W1 on the H200: 4.4 and 2.0 ms per call saved under CUDA graphs in
-    two paired leave-one-out runs (benchmarks/RESULTS.md session 9)."""
+    two paired leave-one-out runs (RESULTS.md, 2026-11-30)."""
 
     gemm_act_quant: bool = False
     """Blockwise FP8 (``FP8Config(layout="blockwise")``): the bias + GELU + 1x128-group
@@ -126,7 +126,7 @@ class PassConfig:
     never written in bf16 (``kopt::fp8_blockwise_gemm_act_quant``). Off: on the H200, W1's
     image MLP up projection fused took 456.4 us against 332.5 for cuBLAS's blockwise GEMM + the
     separate kernel, the template's blockwise GEMM being 1.36x cuBLAS's time
-    (benchmarks/RESULTS.md, session 24)."""
+    (RESULTS.md, 2026-12-03, H200)."""
 
     triton_gemm: bool = False
     """Every FP8 GEMM left to cuBLAS (rowwise, and blockwise: ``kopt::fp8_blockwise_gemm``)
@@ -135,8 +135,7 @@ class PassConfig:
     its accumulation error grows with K, so W2's output error rises from 1.225e-1 to 1.235e-1).
     Replayed from a CUDA graph W1 took 85.5 ms per forward with it, 89.0 without; eager, 123.4
     against 111.3 (two runs on one H200): its launch still costs ~38 us of host time against
-    cuBLAS's ~15 (down from ~107 with the launch that skips Triton's autotuner and JIT
-    dispatch), so it is off by default (benchmarks/RESULTS.md sessions 13 and 15)."""
+    cuBLAS's ~15, so it is off by default (RESULTS.md, 2026-12-01, H200)."""
 
     hoist: bool | tuple[str, ...] = True
     """Cache work that depends only on conditioning inputs (timestep modulation across a CFG

@@ -5,7 +5,7 @@ Hugging Face's models as ``repeat_kv``: K and V are expanded to one head per que
 copied (``reshape`` of an ``expand`` is a ``clone``), then attention runs as plain multi-head
 attention. In decode the copies move ``rep`` times the whole KV cache per layer per step: on
 an H200, for Qwen3-8B's shapes at batch 64 over a 640-token cache, 26.4 of the step's 37.1 ms
-of kernel time, profiled (benchmarks/RESULTS.md, session 6).
+of kernel time, profiled (RESULTS.md, 2026-11-30, H200).
 
 The rewrite folds the query heads that share a K/V head into the query rows instead::
 

@@ -13,8 +13,9 @@ feed-forward outputs cost 3.6 ms per forward on an H200 (benchmarks/RESULTS.md).
 
 ``type_as(x, y)`` reads ``y`` for its dtype alone, but in the graph it is an edge from ``y``:
 Gemma's RMSNorm ends ``out.type_as(x)`` with ``x`` the norm's own input, so a fusion of
-residual + norm saw its output read its intermediate and gave up (the zoo's Gemma 2 and 3,
-session 27). As a cast of ``x`` alone, it is what ``x.to(d)`` (Llama's, Qwen3's norms) is.
+residual + norm saw its output read its intermediate and gave up (the zoo's Gemma 2 and 3;
+RESULTS.md, 2026-12-03, CPU). As a cast of ``x`` alone, it is what ``x.to(d)`` (Llama's,
+Qwen3's norms) is.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from kopt.graph import copy_graph_module
+from kopt.graph.regions import cached_regions
 from kopt.kb.verdicts import pipeline_run
 from kopt.passes.base import Pass, PassResult, RewritePass, Verdict, count_nodes
 from kopt.passes.cat import CatRows
@@ -28,7 +29,7 @@ from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
 from kopt.passes.fold import FoldConstants
 from kopt.passes.gqa import FoldGroupedQueryHeads
-from kopt.passes.hoist import HoistInvariants, cached_regions
+from kopt.passes.hoist import HoistInvariants
 from kopt.passes.noop import ReinplaceCacheUpdates, RemoveNoOps
 from kopt.patterns.act_quant import ACT, act_quant_rewrite
 from kopt.patterns.bias import ABSORB_BIAS, SPLIT_BIAS_ADD

@@ -291,8 +291,8 @@ def why_not_act(gm: fx.GraphModule, match: Match) -> str | None:
 def _layout_problem(out: fx.Node) -> str | None:
     """The fused op writes a contiguous tensor; where the unfused op wrote another layout
     (Sana's GLU in channels-last: the product follows its inputs' strides), the consumer (a
-    convolution) may take another kernel with other roundings (the zoo's Sana in bf16 on the
-    CPU, session 27): not exact."""
+    convolution) may take another kernel with other roundings (the zoo's Sana in bf16;
+    RESULTS.md, 2026-12-03, CPU): not exact."""
     v = tensor_meta(out)
     if v.is_contiguous():
         return None

@@ -26,6 +26,10 @@ from torch.utils import _pytree as pytree
 
 from kopt.graph import describe_node, fake_mode_of, inline_graph, op_name
 
+# node.meta key of a site that the verifier checks against its own fp64 computation:
+# (fp64 function, names of the nodes whose values are its arguments) (kopt.verify)
+LOCAL_REFERENCE = "kopt_local_reference"
+
 
 @dataclass(frozen=True)
 class Numerics:
@@ -394,3 +398,18 @@ def _source_of(*fns: Callable | None) -> str:
         except (OSError, TypeError):
             parts.append(getattr(fn, "__qualname__", repr(fn)))
     return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one pass (or one site) on fresh random inputs."""
+
+    passed: bool
+    tier: str
+    detail: str
+    # failed because the check itself could not run (e.g. the fp64 reference ran out of
+    # memory): says nothing about any one site, so bisecting the sites cannot help
+    unverifiable: bool = False
+
+    def __str__(self) -> str:
+        return f"{'passed' if self.passed else 'FAILED'} ({self.tier}: {self.detail})"

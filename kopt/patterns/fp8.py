@@ -22,8 +22,7 @@ import kopt.codegen.kernels.fp8_blockwise  # noqa: F401 -- registers the blockwi
 import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers kopt::quant_fp8_rowwise
 from kopt.graph import constant_nodes, describe_node, infer_meta, tensor_meta
 from kopt.passes.config import FP8Config
-from kopt.patterns.core import Match, Rejection, StructuralRewrite, bounded
-from kopt.verify import LOCAL_REFERENCE
+from kopt.patterns.core import LOCAL_REFERENCE, Match, Rejection, StructuralRewrite, bounded
 
 aten = torch.ops.aten
 QUANT = torch.ops.kopt.quant_fp8_rowwise.default

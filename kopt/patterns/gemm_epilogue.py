@@ -17,20 +17,22 @@ the residual has the output's shape and dtype.
 
     # mm_fp8(a, b, sa, sb, bias)  ->  fp8_gemm(a, b, sa, sb, bias)                 (triton_gemm)
 
-The template, autotuned per (M bucket, N, K), measured 0.86-1.05x cuBLAS's time on the W1/W2
+The template, autotuned per (M bucket, N, K), takes 0.86-1.05x cuBLAS's time on the W1/W2
 token shapes (17-18 of 22 shapes at or under it) and 0.70-0.79x on the modulation GEMVs; in the
-W1/W2 graphs replayed from CUDA graphs its GEMMs took 2.0-2.6% less kernel time than cuBLAS's
-(benchmarks/RESULTS.md, session 13).
+W1/W2 graphs replayed from CUDA graphs its GEMMs take 2.0-2.6% less kernel time than cuBLAS's
+(RESULTS.md, 2026-12-01, H200).
 Its bias is added to the fp32 accumulator before the one rounding, as cuBLAS does; the product
 is accumulated in the tensor cores' own precision over the whole K loop, so its error against
 the fp64 product grows with K (1.8e-3 at K = 3072, 4.3e-3 at 24576; cuBLAS's 1.7e-3 at every
-K): tier tolerance. Its launch costs ~38 us of host time per call against cuBLAS's ~15 on the
-H200's host (session 15; ~107 before the direct launch of :class:`kopt.codegen.gemm._Direct`,
-~240 per call in session 4's W1 ablation, still the cost model's ``host_us``): worth it only
-replayed from a CUDA graph, so both passes are off by default. On W1 the residual epilogue
-makes the GEMMs slower than it saves (session 15: 238 fused sites, GEMM kernel time 49.2 ->
-56.2 ms per forward, the row-wise kernels 4.9 -> 3.6): its residual and gate are read in the
-accumulator's layout, tile by tile, after the K loop.
+K): tier tolerance.
+
+Both passes are off by default: a launch costs ~38 us of host time against cuBLAS's ~15, which
+outweighs the kernel-time gain outside CUDA graphs (RESULTS.md, 2026-12-01, H200; the cost
+model's ``host_us`` still holds the ~240 us per call that W1's ablation measured on 2026-11-30,
+before the direct launch of :class:`kopt.codegen.gemm._Direct`). And on W1 the residual
+epilogue makes the GEMMs slower than it saves (GEMM kernel time 49.2 -> 56.2 ms per forward
+over 238 fused sites, the row-wise kernels 4.9 -> 3.6; RESULTS.md, 2026-12-01, H200): its
+residual and gate are read in the accumulator's layout, tile by tile, after the K loop.
 """
 
 from __future__ import annotations

@@ -326,7 +326,7 @@ def test_rank_shapes_predicts_on_the_meta_device_and_the_ranking_moves_with_the_
 
 def test_a_pass_with_as_many_rewrites_but_another_graph_keeps_its_saving() -> None:
     """Without FLUX.2's act + quant fusion, ``fuse_act`` rewrites the same number of sites
-    (1646 either way on the H200, session 19) into other kernels: the row differs from
+    (1646 either way; RESULTS.md, 2026-12-01, H200) into other kernels: the row differs from
     ``all`` and its saving is listed; a row whose counts equal ``all``'s is not."""
     from kopt.ablate import Ablation, Row
     from kopt.cost import OpCount

@@ -32,9 +32,9 @@ from kopt.cost import (
 from kopt.cost.calibrate import fit_counted, nnls
 from kopt.cost.counts import OpCount
 from kopt.cost.symbolic import HP, S_IMG, S_TXT, WP, B, D, S, capture_stages, symbolic_pipeline
+from kopt.graph.regions import cached_regions
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
-from kopt.passes.hoist import cached_regions
 from kopt.profile import Attribution, NodeCost
 
 OFF = kopt.VerifyOptions(enabled=False)
@@ -414,7 +414,7 @@ def test_device_model_json_round_trip(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_h200_model_predicts_the_gemm_epilogue_losing_in_eager_as_measured() -> None:
-    """W1's ablation of the GEMM epilogue (RESULTS.md, session 4): replacing _scaled_mm + add
+    """W1's ablation of the GEMM epilogue (RESULTS.md, 2026-11-30, H200): replacing _scaled_mm + add
     by kopt's Triton GEMM at 238 sites cost 55.5 ms per call eager, the Triton launcher's host
     time. The shipped model has that host cost per launch, so it predicts the eager loss."""
     m, n = 4096, 3072
@@ -772,7 +772,8 @@ def test_a_reshape_that_can_view_its_input_is_a_view_whatever_its_traced_storage
     """A pass traces its new nodes' values one by one (another storage than the input's): the
     reshape of a contiguous activation to 2-D is still a view; flattening a transposed one is
     a copy."""
-    from kopt.cost.counts import count_node, is_view
+    from kopt.cost.counts import count_node
+    from kopt.graph import is_view
 
     aten = torch.ops.aten
     g = fx.Graph()
@@ -953,7 +954,7 @@ def test_the_fit_takes_each_graphs_clock_out_of_its_gemm_rates() -> None:
 def test_kernels_per_op_is_the_mean_over_the_ops_nodes() -> None:
     """An op whose nodes launch one kernel or two (W1's ``_scaled_mm``: 358 and 360) counts the
     mean per node, so that a graph's predicted launches are the profiled ones; the median (2)
-    counted 2218 launches per call against 1860 replayed (session 25)."""
+    counted 2218 launches per call against 1860 replayed (RESULTS.md, 2026-12-03, H200)."""
     from kopt.cost.calibrate import _kernels_per_op, _Sample
     from kopt.profile import NodeCost
 

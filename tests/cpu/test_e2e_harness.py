@@ -154,8 +154,9 @@ def test_error_cell_gives_the_mean_and_range_over_inputs() -> None:
 
 
 def test_table_ratio_is_best_against_the_baselines_best(tmp_path) -> None:  # noqa: ANN001
-    """Session 8's W1 run: naive 110.12 ms eager, 106.52 with a CUDA graph; kopt 98.85 with a
-    graph. The ratio is graph against graph (0.928x), not against the baseline's eager time."""
+    """W1 on the H200 (RESULTS.md, 2026-11-30): naive 110.12 ms eager, 106.52 with a CUDA
+    graph; kopt 98.85 with a graph. The ratio is graph against graph (0.928x), not against the
+    baseline's eager time."""
     def row(eager: float, graph: float) -> dict:
         return {"forward_ms": eager, "step_ms": 2 * eager, "graph_forward_ms": graph,
                 "graph_step_ms": 2 * graph, "rel_err_vs_eager": 0.1, "breakdown": {}}

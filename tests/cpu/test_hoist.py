@@ -228,7 +228,7 @@ def test_cuda_graph_split_runs_hoisted_regions_before_an_equal_body(qwen) -> Non
     prelude + body computes what the whole graph does (a CPU check of kopt.cudagraphs)."""
     from kopt.capture import flatten_inputs
     from kopt.cudagraphs import replay_region, split_hoisted
-    from kopt.passes.hoist import CachedRegion
+    from kopt.graph.regions import CachedRegion
 
     w, hoisted, _ = qwen
     gm = hoisted.graph_module
@@ -268,7 +268,7 @@ def test_trailing_views_stop_at_a_computed_use_and_at_a_strided_base() -> None:
     a contiguous base: the graph's copy of a strided base is laid out anew by its clone."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from kopt.passes.hoist import trailing_views
+    from kopt.graph.regions import trailing_views
 
     def region(t: torch.Tensor, w: torch.Tensor) -> tuple:
         m = torch.mm(t, w)  # [2, 12], contiguous
@@ -290,7 +290,7 @@ def test_an_equal_timestep_in_a_new_tensor_hits(qwen) -> None:  # noqa: ANN001
     """Pipelines compute the timestep afresh for each call of a CFG pair (QwenImagePipeline:
     `timestep / 1000` per call): an equal value in another tensor must hit, a changed value,
     even by the sign of a zero, must not."""
-    from kopt.passes.hoist import VALUE_MISSES_IN_A_ROW, cached_regions
+    from kopt.graph.regions import VALUE_MISSES_IN_A_ROW, cached_regions
 
     w, hoisted, plain = qwen
     t = w.kwargs["timestep"] * 0.125

@@ -289,8 +289,8 @@ def test_fast_activations_compile_to_one_mufu_each_for_exp_and_reciprocal() -> N
     two-pass stashing form (whose loops count per value): the fast activations take ex2 and
     rcp as one MUFU instruction each per value, with no range checks (FSETP) or full-range
     division around them, and their quotient is one multiply; the exact activations' quotient
-    has no per-value negation. Session 16 counted 36-38 SASS instructions per value in the two
-    passes before, 16-17 after (``benchmarks/probes/ptx_sm90.py``)."""
+    has no per-value negation: 36-38 SASS instructions per value in the two passes before this
+    form, 16-17 with it (``benchmarks/probes/ptx_sm90.py``; RESULTS.md, 2026-12-01)."""
     import os
     import subprocess
     import sys
@@ -330,7 +330,7 @@ def test_one_pass_kernels_convert_bf16_in_pairs_and_reduce_once() -> None:
     specialises the launch: bf16 widened and (GELU) rounded two values at a time, GELU's two
     tiles reduced across the threads once (one shared-memory exchange, not a layout
     conversion of the tile), no local memory; under 17 (GELU) and 19 (SwiGLU) SASS
-    instructions per value (session 16: 19 and 19.1; benchmarks/RESULTS.md, session 17)."""
+    instructions per value (19 and 19.1 before the pairs; RESULTS.md, 2026-12-01)."""
     import os
     import subprocess
     import sys

@@ -50,7 +50,7 @@ def test_cli_profile_prints_the_top_nodes_and_writes_trace_and_json(tmp_path, ca
 
 
 def test_op_categories() -> None:
-    from kopt.profile import op_category
+    from kopt.graph import op_category
 
     table = {
         "aten::mm": "gemm", "aten::addmm": "gemm", "aten::bmm": "gemm", "aten::linear": "gemm",
@@ -72,7 +72,8 @@ def test_categories_split_the_call_and_add_up_to_the_wall_time() -> None:
     """With FP8 on, the LLM's time falls into all four categories plus launch gaps; every
     category's time is that of its nodes (a node's op decides), and the parts sum to the wall
     time per call."""
-    from kopt.profile import CATEGORIES, GAPS
+    from kopt.graph import CATEGORIES
+    from kopt.profile import GAPS
 
     w = build("llm-tiny")
     config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))

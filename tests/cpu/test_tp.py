@@ -56,7 +56,7 @@ def _counts(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 
 def _region_targets(opt: Any) -> list[str]:
-    from kopt.passes.hoist import cached_regions
+    from kopt.graph.regions import cached_regions
 
     return [str(n.target) for r in cached_regions(opt.graph_module)
             for n in r.region.graph.nodes if n.op == "call_function"]

@@ -1,7 +1,7 @@
 """kopt on models nobody tuned it for (kopt.models.zoo): each optimizes without a failed or
 reverted pass, its output stays the eager model's, and the rewrites that its structure calls for
-are found. Also what the sweep found (session 27): a rewrite site whose input an earlier site of
-the same pass replaced, and a pass that raises."""
+are found. Also what the sweep found (RESULTS.md, 2026-12-03, CPU): a rewrite site whose input
+an earlier site of the same pass replaced, and a pass that raises."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def test_zoo_model_optimizes_and_keeps_its_output(name: str) -> None:
 @pytest.mark.parametrize("name", ["wan2.1", "flux1", "llama"])
 def test_zoo_model_in_fp8_quantizes_every_linear_it_can(name: str) -> None:
     """Wan's text embedding feeds every block's cross-attention K/V directly: its FP8 rewrite
-    erased the node the merged K/V projection's match held (a KeyError out of the pass before
-    session 27)."""
+    erased the node the merged K/V projection's match held (a KeyError out of the pass; RESULTS.md,
+    2026-12-03, CPU)."""
     w = build(name)
     expected = w.run()
     opt = kopt.optimize(w.model, w.args, w.kwargs,
@@ -93,7 +93,7 @@ def test_qk_norm_after_the_transpose_is_rejected_with_its_layout() -> None:
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "sana", "gemma3", "wan2.1"])
 def test_zoo_model_in_bf16_verifies_every_pass(name: str) -> None:
-    """bf16 found two things fp32 hid (session 27): Qwen3-MoE's experts run on
+    """bf16 found two things fp32 hid (RESULTS.md, 2026-12-03, CPU): Qwen3-MoE's experts run on
     ``aten._grouped_mm``, which has no fp64 kernel, so the fp64 reference failed and every
     tolerance-tier pass was reverted; Sana's SwiGLU product is channels-last and fuse_act's
     contiguous output sent the convolution after it down another kernel (not bitwise)."""

@@ -275,7 +275,7 @@ def test_fp32_intermediates_at_w_shapes(b: int, t: int, c: int) -> None:
     CUDA: the residual bitwise (fp32 arithmetic, one rounding); the modulated output within the
     tolerance tier against fp64, differing from the reference on few elements (the norm's
     last-bit differences, several bf16 ulps where ``(1 + scale) * n + shift`` cancels: the
-    H200 run of session 10 saw 4); the FP8 values at most one e4m3 step apart on few values;
+    H200 run of 2026-11-30 saw 4); the FP8 values at most one e4m3 step apart on few values;
     and closer to fp64 than the eager order."""
     kw = dict(norm="layer", eps=1e-6, residual=True, gate=True, modulation=True,
               outputs=("out", "residual", "fp8_row"))

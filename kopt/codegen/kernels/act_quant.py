@@ -107,32 +107,34 @@ _INV_E4M3_MAX = fp32(1.0 / E4M3_MAX)
 # Rows up to this many features are held in registers in one pass; longer rows take two passes
 # over their input (amax, then quantize), in _CHUNK-wide chunks at 8 warps: the best of 12
 # configs on 5 of 6 W1/W2/LLM shapes on the H200 (one pass over a register-resident 12288-wide
-# row was slower at every warp count; benchmarks/RESULTS.md, session 3 sweep). The activation
+# row was slower at every warp count; RESULTS.md, 2026-11-29). The activation
 # is the kernel's cost (an instruction-bound tanh/exp per value), so the first pass stashes it
 # (``STASH``) for the second to read back from L2 instead of computing it again: a persistent
-# grid of _STASH_CTAS_PER_SM programs per SM, one stash row each. H200, session 9 sweep of 30
-# configs: the best on W1 GELU, W2 SwiGLU, W3 SwiGLU and GELU(erf) image shapes, 116-193 us
-# against 150-237 recomputing (the text shapes within 1 us of their best).
+# grid of _STASH_CTAS_PER_SM programs per SM, one stash row each. H200, a sweep of 30 configs
+# (RESULTS.md, 2026-11-30): the best on W1 GELU, W2 SwiGLU, W3 SwiGLU and GELU(erf) image
+# shapes, 116-193 us against 150-237 recomputing (the text shapes within 1 us of their best).
 _ONE_PASS_MAX = 2048
 _CHUNK = 2048
-# The fast activations cost about half the instructions since session 16 (no range checks
-# around ex2/rcp, a bf16 running maximum: 36-38 -> 20-23 SASS instructions per value), and
-# with that the whole row in registers, as one or two power-of-two tiles, beats the stash:
-# H200 (benchmarks/probes/act_onepass.py, CUDA graph, bitwise the same output) W1 GELU
-# 71.0 -> 63.1 us (8 warps), W2 SwiGLU 146.9 -> 120.6 (16 warps), W3 47.6 -> 37.5 (8 warps);
-# 32 warps slower everywhere. Warps so that a thread holds at most _ONE_PASS_VALUES values,
-# 8 to 16; rows up to _ONE_PASS_FAST_MAX (48 values per thread at 16 warps; longer rows were
-# not measured) without a concatenated tensor (its loop would take the row's wide tiles).
-# Session 17: bf16 widened and rounded two values at a time and GELU's exponent in one fma
-# (19 -> 16.5 SASS instructions per value): W1 GELU 54.2 -> 44.3 us, 0.89 of a same-size copy.
+# The fast activations cost about half the instructions (no range checks around ex2/rcp, a
+# bf16 running maximum: 36-38 -> 20-23 SASS instructions per value), and with that the whole
+# row in registers, as one or two power-of-two tiles, beats the stash: H200
+# (benchmarks/probes/act_onepass.py, CUDA graph, bitwise the same output; RESULTS.md,
+# 2026-12-01) W1 GELU 71.0 -> 63.1 us (8 warps), W2 SwiGLU 146.9 -> 120.6 (16 warps), W3
+# 47.6 -> 37.5 (8 warps); 32 warps slower everywhere. Warps so that a thread holds at most
+# _ONE_PASS_VALUES values, 8 to 16; rows up to _ONE_PASS_FAST_MAX (48 values per thread at 16
+# warps; longer rows were not measured) without a concatenated tensor (its loop would take the
+# row's wide tiles).
+# bf16 is widened and rounded two values at a time and GELU's exponent is one fma (19 -> 16.5
+# SASS instructions per value): W1 GELU 54.2 -> 44.3 us, 0.89 of a same-size copy (RESULTS.md,
+# 2026-12-01, H200).
 _ONE_PASS_FAST_MAX = 24576
 _ONE_PASS_VALUES = 48
 _STASH_CTAS_PER_SM = 8
 # A stashing kernel loads a SwiGLU's two inputs with L2's evict-first policy (``STREAM``), so
-# that the stash stays in L2 instead of going out to HBM and back: H200, session 15
+# that the stash stays in L2 instead of going out to HBM and back: H200
 # (benchmarks/probes/act_stream.py, bitwise the same output), W2's image SwiGLU 185.5 -> 166.7
 # us, W3's prefill 66.2 -> 61.5; not GELU's one input (W1 85.5 -> 86.3). Nsight Compute had
-# W2's kernel moving ~1.6x its bytes through HBM at 79% of its peak (session 15 c1).
+# W2's kernel moving ~1.6x its bytes through HBM at 79% of its peak (RESULTS.md, 2026-12-01).
 # Programs of a persistent grid under the interpreter (no SMs): fewer than the tests' rows.
 _INTERPRETER_PROGRAMS = 3
 

@@ -19,7 +19,7 @@ writes and ``kopt::fp8_blockwise_mm`` reads: ``q`` [rows, N (+ P)] e4m3 and ``sc
 This is the blockwise FP8 recipe's producer (``FP8Config(layout="blockwise")``). The blockwise
 GEMM cannot add a bias for free (cuBLAS's blockwise kernel with a bias took 0.306 ms against
 0.259 without at 4224 x 12288 x 3072 on the H200, slower than a separate add:
-benchmarks/RESULTS.md session 12), so the bias of the GEMM before the activation is added
+RESULTS.md, 2026-11-30), so the bias of the GEMM before the activation is added
 here, where x is read anyway. A group's scale depends on its 128 values only: one pass, no
 row-wide reduction, each program a tile of rows x ``BLOCK`` features.
 
@@ -67,7 +67,7 @@ from kopt.codegen.pointwise import pw_div_by, pw_recip
 # Features per program (a multiple of GROUP) and the rows a program takes with it: 2048
 # values per program at 4 warps, 2048 of one row where the row is that wide. The best of 18
 # configs at the W1 (bias + GELU) and W2 (SwiGLU) image-token shapes on the H200: 86.3 and
-# 119.8 us against 100.1 and 150.9 for 1024 x 4 rows (benchmarks/RESULTS.md session 12).
+# 119.8 us against 100.1 and 150.9 for 1024 x 4 rows (RESULTS.md, 2026-11-30).
 _BLOCK = 2048
 _ELEMS = 2048
 

@@ -44,7 +44,7 @@ from kopt.codegen.rowwise import RowwiseError, RowwiseSpec
 
 # messages up to this size go one-shot; above it, two-shot. At W2's 4608 x 6144 bf16 (57 MB) on
 # 2 H200s, one-shot + norm took 0.52 ms, NCCL + norm 0.34-0.48, two-shot + norm 0.28-0.36
-# (benchmarks/RESULTS.md, session 3); where the crossover lies below that is not measured yet.
+# (RESULTS.md, 2026-11-29); where the crossover lies below that is not measured yet.
 ONE_SHOT_MAX_BYTES = 1 << 20
 
 

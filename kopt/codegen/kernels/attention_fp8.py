@@ -27,8 +27,8 @@ weighted sum, those of q and k move the scores (and through exp the weights) by 
 inputs. The reference (CPU path, verification) quantizes q, k and v exactly as the kernel does
 and computes the softmax in fp32 without rounding P (the kernel's one extra step).
 
-No pass uses this op. Measured on the H200 (benchmarks/kernels_attention.py, RESULTS.md
-session 12) it never beat cuDNN's BF16 attention (1.11x its time at the W1 shape, 1.02x at W2,
+No pass uses this op. Measured on the H200 (benchmarks/kernels_attention.py; RESULTS.md,
+2026-11-30) it never beat cuDNN's BF16 attention (1.11x its time at the W1 shape, 1.02x at W2,
 with the best of 12 tile configs) and its error was 16-58x BF16 attention's. It stays as the
 measured starting point for an FP8 attention that would have to overlap its softmax with the
 MMAs (FA3's warp specialization) to win.
@@ -49,7 +49,8 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 QB = 128  # keys per k/v scale
 MODES = ("fp8", "bf16")  # how q k^T is computed; P v is always e4m3
-BOUND = {"fp8": 0.15, "bf16": 0.06}  # measured max 0.103 / 0.037 (H200, session 12), x1.5
+# measured max 0.103 / 0.037 (RESULTS.md, 2026-11-30, H200), x1.5
+BOUND = {"fp8": 0.15, "bf16": 0.06}
 _TINY = 1e-12
 _LOG2E = 1.4426950408889634
 
@@ -236,7 +237,7 @@ def _attention_fp8_kernel(q_ptr, k_ptr, vt_ptr, ks_ptr, vs_ptr, o_ptr, H, SQ, SK
 
 def _config(d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): the best of 12 configs at the W1 and W2
-    shapes on the H200 (benchmarks/kernels_attention.py --sweep, RESULTS.md session 12)."""
+    shapes on the H200 (``benchmarks/kernels_attention.py --sweep``; RESULTS.md, 2026-11-30)."""
     return (64, 128, 4, 3) if d <= 128 else (64, 64, 4, 2)
 
 

@@ -7,7 +7,7 @@ views of a merged projection's output are: ``[B, S, H, D]`` slices of ``[B, S, 3
 token's ``H D`` values in a row); the row and outer strides are free. ATen's ``cat`` copies
 such inputs element by element (``CatArrayBatchedCopy`` over 2-byte ``OpaqueType``s): on the
 H200, W1's joint [text; image] V concatenation runs at ~560 GB/s, 93 us per block, 5.6 ms per
-forward (benchmarks/RESULTS.md, session 8). The kernel instead copies each row as contiguous
+forward (RESULTS.md, 2026-11-30). The kernel instead copies each row as contiguous
 vectors, every input's rows into their place of the output: two inputs (the joint [text;
 image] attention inputs) in one launch, more in one launch each.
 
@@ -34,9 +34,8 @@ from kopt.codegen.launch import launch
 from kopt.codegen.ops import define
 
 # A flat range of the output a program, at 8 bf16 (16 bytes) a thread: Inductor's form for the
-# same cat. H200, session 18 (benchmarks/results/2026-12-01-h200-s18): W1's joint V 14.7 us as
-# 2-D tiles of 8192 values at 8 warps (c1), 14.2 at the best of 75 2-D tilings, 14.1 flat
-# (c3); Inductor's kernel 14.0-14.1.
+# same cat. W1's joint V on the H200: 14.1 us flat, 14.2 at the best of 75 2-D tilings, 14.7
+# as 2-D tiles of 8192 values at 8 warps; Inductor's kernel 14.0-14.1 (RESULTS.md, 2026-12-01).
 _XBLOCK = 1024
 _WARPS = 4
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -307,7 +307,8 @@ def quant_nvfp4_triton(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[
     launch_rows = nvfp4_launch_rows(rows)
     _, rows_per, warps = row_tiling(k, launch_rows, 64)
     # Half the row-wise kernels' warps (about 48 values a thread at W1/W2 widths): H200,
-    # benchmarks/probes/act_onepass.py, W2 36.8 -> 35.4 us, W1 18.5 -> 18.2 (session 16).
+    # benchmarks/probes/act_onepass.py, W2 36.8 -> 35.4 us, W1 18.5 -> 18.2 (RESULTS.md,
+    # 2026-12-01).
     warps = max(1, warps // 2)
     block, block2 = row_split(k, 64)
     grid = (triton.cdiv(launch_rows, rows_per),)

@@ -278,7 +278,8 @@ def row_split(cols: int, min_block: int = 16) -> tuple[int, int]:
     two (BLOCK + BLOCK2 columns; the second starts at column BLOCK), whichever pads fewer
     lanes. Masked lanes still issue every instruction: on the H200 the norm + FP8 kernels of
     3072- and 6144-wide rows (one 4096/8192 tile, a quarter masked) ran at 0.62-0.66 of a
-    same-size copy, the same kernels on 4096/8192-wide rows at 0.78-0.80 (session 13)."""
+    same-size copy, the same kernels on 4096/8192-wide rows at 0.78-0.80 (RESULTS.md,
+    2026-12-01)."""
     block = max(triton.next_power_of_2(cols), min_block)
     low = block // 2
     if low < min_block or cols <= low:

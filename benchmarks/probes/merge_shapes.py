@@ -1,6 +1,6 @@
 """Separate projections vs one merged GEMM at the W1/W2 shapes merge_projections produces.
 
-    python benchmarks/merge_shapes.py            # on the GPU; prints a table, --out writes JSON
+    python -m benchmarks.probes.merge_shapes  # on the GPU; prints a table, --out writes JSON
 
 Each case times N F.linear calls on one activation against one F.linear over the concatenated
 weight (the split into views costs nothing), bf16, triton.testing.do_bench medians.

@@ -1,6 +1,6 @@
 """SDPA at the W1/W2 attention shapes with the operand layouts a graph can hand it.
 
-    python benchmarks/attention_layout.py --json attention_layout.json
+    python -m benchmarks.probes.attention_layout --json attention_layout.json
 
 Issue 9's attention lever: cuDNN attention is fastest on (B, H, S, D)-contiguous operands, the
 DiTs hand it permuted (B, S, H, D) tensors, and V can be a strided slice of a merged projection's

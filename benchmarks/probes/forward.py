@@ -1,6 +1,6 @@
 """Forward time of a reference workload: the model as is vs kopt.optimize (eager inner).
 
-    python benchmarks/forward.py --model qwen-image --device cuda --dtype bf16 --out w1.json
+    python -m benchmarks.probes.forward --model qwen-image --device cuda --dtype bf16 --out w1.json
 
 Variants: eager (the model), kopt (all passes), kopt-no-merge (merge_projections off). Median of
 CUDA-event timings after warm-up, on the workload's random inputs. Also records the time to the
@@ -11,30 +11,16 @@ passes only (merge, CSE, load-time folding); the end-to-end harness is benchmark
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from collections.abc import Callable
 
 import torch
 
 import kopt
-from kopt.bench import median_ms
+from benchmarks.cfg_step import report, time_ms
 from kopt.models import build
 from kopt.verify import VerifyOptions, relative_error
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    return median_ms(fn, iters, warmup, device="cuda")
-
-
-def report(row: dict, out: str | None) -> None:
-    """Print a run's figures and, with ``out``, write them as JSON for RESULTS.md."""
-    print(json.dumps(row, indent=1))
-    if out:
-        with open(out, "w") as f:
-            json.dump(row, f, indent=1)
 
 
 def main() -> None:

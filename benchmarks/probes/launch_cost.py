@@ -1,6 +1,6 @@
 """Where a kopt custom op's host time per launch goes, layer by layer (CUDA).
 
-    python benchmarks/launch_cost.py [--calls 500] [--device cpu]
+    python -m benchmarks.probes.launch_cost [--calls 500] [--device cpu]
 
 Takes the first ``kopt::rowwise`` call of qwen-image-tiny optimized with FP8 (its real spec
 and inputs) and times, per call (host only: the kernels are a few microseconds, so the device
@@ -9,18 +9,17 @@ keeps up), the op through the dispatcher, the CUDA implementation without it
 launch of a prepared call alone (``kernel[grid](...)``), and the same kernel launched through
 its compiled handle (``CompiledKernel[grid]``, bypassing the JIT's argument binding), checked
 bitwise against the JIT launch. Also the dispatcher's own cost: the same CUDA implementation
-registered as a ``torch.library.custom_op`` (as kopt registered it until session 7; now
+registered as a ``torch.library.custom_op`` (as kopt registered it until 2026-11-30; now
 ``kopt.codegen.ops``), the op under ``torch.inference_mode`` (no autograd layer), and a custom
-op that only allocates its output. Session 7 measured
-110-255 us per kopt launch in W1's eager graph (``benchmarks/host_cost.py``) against 38 us for
-a cuBLAS GEMM. ``--device cpu`` times the dispatcher rows only, the body being the PyTorch
-reference (``_rowwise_reference_op``) there.
+op that only allocates its output. On the H200 a kopt launch took 110-255 us in W1's eager
+graph (``benchmarks/host_cost.py``) against 38 us for a cuBLAS GEMM (RESULTS.md, 2026-11-30).
+``--device cpu`` times the dispatcher rows only, the body being the PyTorch reference
+(``_rowwise_reference_op``) there.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,26 +27,12 @@ import torch
 from torch.fx import Interpreter
 
 from kopt.api import optimize_captured
+from kopt.bench import per_call_us
 from kopt.capture import capture_module
 from kopt.codegen import rowwise as rw
 from kopt.models import build
 from kopt.passes.config import FP8Config, PassConfig
 from kopt.verify import VerifyOptions
-
-
-def per_call_us(f: Callable[[], Any], calls: int) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(10):
-        f()
-    sync()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            f()
-        best = min(best, (time.perf_counter_ns() - t0) / calls / 1e3)
-        sync()
-    return best
 
 
 def first_rowwise_call(device: str) -> tuple[list[torch.Tensor], str]:
@@ -82,7 +67,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 # the same CUDA implementation as a torch.library.custom_op: kopt's registration until
-# session 7 (kopt.codegen.ops now registers it without custom_op's layers)
+# 2026-11-30 (kopt.codegen.ops now registers it without custom_op's layers)
 @torch.library.custom_op("kopt_probe::rowwise", mutates_args=())
 def rowwise_custom_op(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     return rw._rowwise_reference_op(inputs, spec)
@@ -140,7 +125,7 @@ def main() -> None:
             ("kernel[grid](...) (Triton JIT launch)", per_call_us(lambda: rw._run(launch), n)),
         ]
     rows += [
-        ("the same as a torch.library.custom_op (kopt's registration until session 7)",
+        ("the same as a torch.library.custom_op (kopt's registration until 2026-11-30)",
          per_call_us(lambda: torch.ops.kopt_probe.rowwise.default(inputs, spec_text), n)),
         ("the same under torch.inference_mode (no autograd key)",
          per_call_us(inference(lambda: torch.ops.kopt.rowwise.default(inputs, spec_text)), n)),

@@ -1,6 +1,6 @@
 """Where does an optimized forward spend its time differently from the model's own?
 
-    python benchmarks/profile_diff.py --model qwen-image [--disable merge_projections ...]
+    python -m benchmarks.probes.profile_diff --model qwen-image [--disable merge_projections ...]
 
 Captures once, optimizes with the default config and with each --variant config (no
 verification: this is a diagnosis run), times each with CUDA events, then profiles eager and the
@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.forward import report, time_ms
+from benchmarks.cfg_step import report, time_ms
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.models import build

@@ -2,8 +2,8 @@
 steps (host timing, the profiler, a pause, a garbage collection): how far apart eager times of
 one graph fall on this machine.
 
-    python benchmarks/eager_repeat.py llm mode=decode
-    python benchmarks/eager_repeat.py qwen-image height=512 width=512
+    python -m benchmarks.probes.eager_repeat llm mode=decode
+    python -m benchmarks.probes.eager_repeat qwen-image height=512 width=512
 
 Each line: the least of 3 single calls (what the calibration's wall time is), the median of 5
 calls on the same inputs, and the median per call of 5 steps as the ablation times them (the
