@@ -202,3 +202,23 @@ def test_rank_at_needs_a_reference_model(capsys) -> None:  # noqa: ANN001
     assert "--rank-at needs a reference model" in _error(
         ["optimize", "-q", "--model", QKV_MODEL, "--rank", "--rank-at", "height=64"], capsys)
 
+
+def test_kb_commands(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    kb = ["--kb", str(tmp_path / "kb.sqlite")]
+    assert f"kopt kb: error: no entry K1: no knowledge base at {tmp_path / 'kb.sqlite'} yet" \
+        in _error(["kb", "show", "K1", *kb], capsys)
+    assert main(["kb", "lesson", "measure twice", *kb]) == 0
+    capsys.readouterr()
+    cases = [
+        (["show", "K999"], "kopt kb: error: no entry K999 in"),
+        (["show", "foo"], "entry id 'foo': K<n> (kernel), M<n> (measurement)"),
+        (["export", "--out", str(tmp_path / "no" / "x.md")],
+         f"--out {tmp_path / 'no' / 'x.md'}: cannot write: No such file or directory"),
+        (["export", "--out", str(tmp_path)], "cannot write: Is a directory"),
+        (["prune", "--older-than", "-1"], "--older-than must be at least 0 days, got -1"),
+        (["mark", "nosuchpass", "dead_end"], "unknown rewrite 'nosuchpass' (a verdict applies to "
+                                             "a pass); valid: remove_noops,"),
+        (["mark", "hoist", "nope"], "argument verdict: invalid choice: 'nope'"),
+    ]
+    for argv, says in cases:
+        assert says in _error(["kb", *argv, *kb], capsys), argv
