@@ -11,8 +11,11 @@ Exit codes: 0 done, 1 the model could not be captured, 2 bad arguments or unknow
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import inspect
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -139,15 +142,137 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_shape(items: Sequence[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` items (``--shape``) as workload keyword arguments, integers as ints."""
+def parse_shape(items: Sequence[str], model: str, option: str = "--shape") -> dict[str, Any]:
+    """``KEY=VALUE`` items (``--shape``) as the keyword arguments of ``build(model, ...)``: each
+    key one its builder takes, each value of the type the builder takes."""
+    from kopt.models import shape_keys
+
+    keys = shape_keys(model)
+    valid = f"valid keys: {', '.join(keys)}"
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--shape expects KEY=VALUE, got {item!r}")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
+        if not sep or not key or not value:
+            raise UsageError(f"{option} expects KEY=VALUE, got {item!r}; {valid}")
+        if key not in keys:
+            raise UsageError(f"{option}: unknown key {key!r} for model {model}; {valid}")
+        accepts = keys[key]
+        if accepts is int:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise UsageError(f"{option} {item}: {key} takes an integer") from None
+        elif value in accepts:
+            out[key] = value
+        else:
+            raise UsageError(f"{option} {item}: {key} is one of {', '.join(accepts)}")
     return out
+
+
+# The least value each numeric option takes (attribute name: least).
+_LEAST = {"bench": 0, "seeds": 1, "fp8_min_features": 0, "iters": 1, "top": 1, "warmup": 0,
+          "steady": 0}
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad arguments of optimize, profile and ablate before any work, each with a
+    UsageError naming the option, the problem and what would be valid."""
+    from kopt.models import MODEL_NAMES
+
+    _check_device(args.device, args.dtype)
+    for name, least in _LEAST.items():
+        value = getattr(args, name, None)
+        if value is not None and value < least and not (name == "seeds" and args.no_verify):
+            raise UsageError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    if ":" in args.model:
+        if args.shape:
+            raise UsageError(f"--shape sets the inputs of {', '.join(MODEL_NAMES)}; "
+                             f"{args.model} makes its own")
+    elif args.model not in MODEL_NAMES:
+        raise UsageError(f"unknown model {args.model!r}; choose one of "
+                         f"{', '.join(MODEL_NAMES)} or give module:function")
+    else:
+        parse_shape(args.shape, args.model)
+    for spec in getattr(args, "rank_at", []):
+        if not args.rank:
+            raise UsageError("--rank-at predicts with the cost model of --rank; add --rank")
+        if ":" in args.model:
+            raise UsageError("--rank-at needs a reference model (symbolic counts come from its "
+                             "builder)")
+        _rank_at_values(args, spec)
+    _check_device_model(args.device_model)
+    if args.kb and not args.no_kb:
+        _check_output("--kb", args.kb, make_folders=True)
+    _check_output("--dump", args.dump, folder=True)
+    for option in ("trace", "json", "md", "png"):
+        _check_output(f"--{option}", getattr(args, option, None))
+    if getattr(args, "png", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--png needs matplotlib (pip install matplotlib)") from None
+
+
+def _check_device(device: str, dtype: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r}: not a device; valid: cpu, cuda, cuda:N") \
+            from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: kopt runs on cpu or cuda (cuda:N)")
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else \
+            "no CUDA device is visible"
+        raise UsageError(f"--device {device}: CUDA is not available ({why}); use --device cpu")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise UsageError(f"--device {device}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
+    if dtype == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(f"--dtype bf16: {torch.cuda.get_device_name(dev)} has no bfloat16 "
+                         "support; use fp16 or fp32")
+
+
+def _check_device_model(choice: str) -> None:
+    from kopt.cost import DeviceModel, known_device
+
+    if choice in ("auto", "fit") or (choice and not choice.endswith(".json")
+                                     and known_device(choice) is not None):
+        return
+    if not Path(choice).is_file():
+        raise UsageError(f"--device-model {choice!r}: not auto, fit, a known device (h200) or "
+                         "a JSON file")
+    try:
+        DeviceModel.load(choice)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--device-model {choice}: not a DeviceModel: {exc}") from None
+
+
+def _check_output(option: str, path: str | None, *, folder: bool = False,
+                  make_folders: bool = False) -> None:
+    """Refuse an output path that could not be written, before the work whose result it is.
+    ``folder``: the path is a folder (made with its parents); ``make_folders``: a file whose
+    missing folders are made."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if folder and p.exists() and not p.is_dir():
+        raise UsageError(f"{option} {path}: exists and is not a folder")
+    if not folder and p.is_dir():
+        raise UsageError(f"{option} {path}: is a folder; give a file name")
+    parent = p if folder else p.parent
+    if folder or make_folders:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+    if not parent.exists():
+        raise UsageError(f"{option} {path}: no folder {parent}")
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
 
 
 def _load_workload(args: argparse.Namespace) -> tuple[str, torch.nn.Module, tuple, dict]:
@@ -159,32 +284,58 @@ def _load_workload(args: argparse.Namespace) -> tuple[str, torch.nn.Module, tupl
 def _workload(args: argparse.Namespace, device: str | None = None):  # noqa: ANN202
     """The kopt.models.Workload of --model (a module:function's (model, args[, kwargs]) as one
     with no step inputs and one call per step); ``device``: build there instead."""
-    from kopt.models import MODEL_NAMES, Workload, build
+    from kopt.models import Workload, build
 
     dtype = DTYPES[args.dtype]
     if ":" in args.model:
-        module_name, _, fn_name = args.model.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as exc:
-            raise UsageError(f"cannot load {args.model!r}: {exc}") from exc
-        made = fn()
+        made = _load_function(args.model)()
         if isinstance(made, Workload):
             return made
         if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0],
                                                                           torch.nn.Module):
             kwargs = made[2] if len(made) == 3 else {}
+            if not isinstance(made[1], tuple | list):
+                raise UsageError(f"--model {args.model} returned (model, "
+                                 f"{type(made[1]).__name__}, ...): args must be a tuple, e.g. "
+                                 "(model, (x,))")
+            if not isinstance(kwargs, dict):
+                raise UsageError(f"--model {args.model} returned (model, args, "
+                                 f"{type(kwargs).__name__}): kwargs must be a dict")
             return Workload(args.model, made[0], tuple(made[1]), dict(kwargs), (), 1, "")
-        raise UsageError(f"{args.model} must return a kopt.models.Workload or "
-                         "(model, args[, kwargs])")
-    if args.model not in MODEL_NAMES:
-        raise UsageError(f"unknown model {args.model!r}; choose one of "
-                         f"{', '.join(MODEL_NAMES)} or give module:function")
+        what = f"a tuple of {len(made)}" if isinstance(made, tuple) else \
+            f"a {type(made).__name__}"
+        raise UsageError(f"--model {args.model} returned {what}; it must return a "
+                         "kopt.models.Workload or (model, args[, kwargs]) with an nn.Module")
     try:
         return build(args.model, device=device or args.device, dtype=dtype, seed=args.seed,
-                     **parse_shape(args.shape))
-    except (TypeError, ValueError) as exc:
+                     **parse_shape(args.shape, args.model))
+    except ValueError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def _load_function(spec: str) -> Any:
+    """The callable ``module:function`` names, refused unless it can be called with no
+    arguments."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise UsageError(f"--model {spec!r}: expected module:function, e.g. "
+                         "mypackage.models:make_workload")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"cannot load {spec!r}: {exc}") from exc
+    if not callable(fn):
+        raise UsageError(f"--model {spec}: {module_name}.{fn_name} is a {type(fn).__name__}, "
+                         "not a function returning a kopt.models.Workload or "
+                         "(model, args[, kwargs])")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError as exc:
+        raise UsageError(f"--model {spec}: kopt calls it with no arguments, but {exc}") \
+            from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
+    return fn
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202
@@ -223,10 +374,7 @@ def _device_model(args: argparse.Namespace, graphs: Sequence[tuple[Any, Sequence
     named = known_device(choice) if not choice.endswith(".json") else None
     if named is not None:
         return named
-    if not Path(choice).is_file():
-        raise UsageError(f"--device-model {choice!r}: not auto, fit, a known device (h200) or "
-                         "a JSON file")
-    return DeviceModel.load(choice)
+    return DeviceModel.load(choice)  # _check_device_model read it
 
 
 def _calls_per_step(args: argparse.Namespace) -> int:
@@ -235,19 +383,12 @@ def _calls_per_step(args: argparse.Namespace) -> int:
 
 def _rank_at(args: argparse.Namespace, config: Any, cost: Any) -> dict[str, Any]:
     """Predictions per pass at each --rank-at shape, from the symbolic pipeline."""
-    from kopt.cost.symbolic import B, symbolic_pipeline, workload_values
+    from kopt.cost.symbolic import B, symbolic_pipeline
 
-    if ":" in args.model:
-        raise UsageError("--rank-at needs a reference model (symbolic counts come from its "
-                         "builder)")
     pipelines: dict[bool, Any] = {}
     out = {}
     for spec in args.rank_at:
-        shape = {**parse_shape(args.shape), **parse_shape(spec.split(","))}
-        try:
-            values = workload_values(args.model, **shape)
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"--rank-at {spec}: {exc}") from exc
+        shape, values = _rank_at_values(args, spec)
         batched = values[B] > 1
         if batched not in pipelines:
             print(f"fitting symbolic counts of {args.model} (batch {'>= 2' if batched else 1})",
@@ -257,6 +398,19 @@ def _rank_at(args: argparse.Namespace, config: Any, cost: Any) -> dict[str, Any]
                                                    mode=shape.get("mode"), batch=values[B])
         out[spec] = pipelines[batched].predictions(cost, values)
     return out
+
+
+def _rank_at_values(args: argparse.Namespace,
+                    spec: str) -> tuple[dict[str, Any], dict[Any, int]]:
+    """The shape one --rank-at gives (over --shape) and its symbol values."""
+    from kopt.cost.symbolic import workload_values
+
+    shape = {**parse_shape(args.shape, args.model),
+             **parse_shape(spec.split(","), args.model, "--rank-at")}
+    try:
+        return shape, workload_values(args.model, **shape)
+    except ValueError as exc:
+        raise UsageError(f"--rank-at {spec}: {exc}") from exc
 
 
 def _optimize(args: argparse.Namespace) -> int:
@@ -324,6 +478,7 @@ def _optimized_with(args: argparse.Namespace, kb_session: Any):  # noqa: ANN202
     print(report.format(verbose=args.verbose))
     if kb_session is not None:
         print(kb_session.summary())
+    _check_explain(args.explain, report, opt.captured_graph)
     for node in args.explain:
         print(report.explain(node, opt.captured_graph))
     if cost is not None:
@@ -377,6 +532,23 @@ def _bench(args: argparse.Namespace, model: torch.nn.Module, margs: tuple, mkwar
     print(f"time per call on {args.device}, median of {args.bench}:")
     for label, ms in rows:
         print(f"  {label}: {ms:.3f} ms ({ms / base:.3f}x the model's eager time)")
+
+
+def _check_explain(nodes: Sequence[str], report: Any, graph: torch.fx.GraphModule) -> None:
+    """Refuse an --explain name that is no node or module path of the captured graph and no
+    site a pass reported: a typo would otherwise read as 'no rewrite looks at this node'."""
+    from kopt.graph.query import module_path
+
+    known = {n.name for n in graph.graph.nodes}
+    known.update(path for n in graph.graph.nodes if (path := module_path(n)))
+    for r in report.passes:
+        known.update(r.sites, r.reverted, (rej.node for rej in r.rejections), *r.site_nodes)
+    unknown = [n for n in nodes if n not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=3)
+        raise UsageError(f"--explain {unknown[0]}: no node or module of that name in the "
+                         "captured graph; " + (f"close: {', '.join(close)}" if close else
+                                               "--dump lists its nodes"))
 
 
 def _ablate(args: argparse.Namespace) -> int:
@@ -453,8 +625,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     if not args.quiet:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr,
+                            force=True)
     try:
+        _check_arguments(args)
         if args.command in ("optimize", "profile"):
             return _optimize(args)
         if args.command == "ablate":

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from kopt.cost.counts import OpCount
@@ -244,7 +244,22 @@ class DeviceModel:
 
     @classmethod
     def from_json(cls, text: str) -> DeviceModel:
-        return cls(**json.loads(text))
+        """The model ``to_json`` wrote; ValueError names what is wrong with any other text."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"a DeviceModel is a JSON object, got a {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls)
+                    if f.default is MISSING and f.default_factory is MISSING}
+        problems = []
+        if data.keys() - known:
+            problems.append(f"unknown fields {', '.join(sorted(data.keys() - known))}")
+        if required - data.keys():
+            problems.append(f"missing fields {', '.join(sorted(required - data.keys()))}")
+        if problems:
+            raise ValueError(f"{'; '.join(problems)} (a DeviceModel has "
+                             f"{', '.join(sorted(known))})")
+        return cls(**data)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

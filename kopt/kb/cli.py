@@ -99,15 +99,35 @@ def run(args: argparse.Namespace) -> int:
     """Run a parsed ``kopt kb ...`` command; returns the exit code."""
     path = Path(args.kb).expanduser() if args.kb else default_path()
     cmd = args.kb_command
+    problem = _argument_problem(args)
+    if problem:
+        print(f"kopt kb: error: {problem}", file=sys.stderr)
+        return 2
     if cmd in ("list", "show", "export") and not path.exists():
-        print(f"no knowledge base at {path} yet (kopt optimize creates it)", file=sys.stderr)
-        return 0 if cmd != "show" else 2
+        missing = f"no knowledge base at {path} yet (kopt optimize creates it)"
+        if cmd == "show":
+            print(f"kopt kb: error: no entry {args.id}: {missing}", file=sys.stderr)
+            return 2
+        print(missing, file=sys.stderr)
+        return 0
     try:
         with KnowledgeBase.open(path) as kb:
             return _run(kb, args)
     except KnowledgeBaseError as e:
         print(f"kopt kb: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, InvalidRecord) else 1
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, found before the file is opened; None if nothing."""
+    from kopt.passes import PassConfig
+
+    if args.kb_command == "prune" and args.older_than is not None and args.older_than < 0:
+        return f"--older-than must be at least 0 days, got {args.older_than:g}"
+    if args.kb_command == "mark" and args.rewrite not in PassConfig.pass_names():
+        return (f"unknown rewrite {args.rewrite!r} (a verdict applies to a pass); valid: "
+                f"{', '.join(PassConfig.pass_names())}")
+    return None
 
 
 def _run(kb: KnowledgeBase, args: argparse.Namespace) -> int:
@@ -123,7 +143,12 @@ def _run(kb: KnowledgeBase, args: argparse.Namespace) -> int:
     elif cmd == "export":
         text = kb.export(args.format)
         if args.out:
-            Path(args.out).write_text(text)
+            try:
+                Path(args.out).expanduser().write_text(text)
+            except OSError as e:
+                print(f"kopt kb: error: --out {args.out}: cannot write: {e.strerror}",
+                      file=sys.stderr)
+                return 2
             print(f"exported to {args.out}")
         else:
             sys.stdout.write(text)

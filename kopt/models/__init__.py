@@ -8,7 +8,9 @@ and inputs are meta tensors, which is enough for parameter counts and fake-tenso
 
 from __future__ import annotations
 
+import inspect
 import os
+import typing
 from collections.abc import Callable
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from kopt.models import flux2, llm, qwen_image
 from kopt.models._common import Workload, main_output
 
-__all__ = ["MODEL_NAMES", "Workload", "build", "main_output"]
+__all__ = ["MODEL_NAMES", "Workload", "build", "main_output", "shape_keys"]
 
 _BUILDERS: tuple[tuple[str, Callable[..., Workload], str], ...] = (
     ("qwen-image-tiny", qwen_image.build, "tiny"),
@@ -52,6 +54,27 @@ def build(
                                           **shape).model, dtype, torch.device(device))
             return builder(variant, device=device, dtype=dtype, seed=seed, **shape)
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+
+
+def shape_keys(name: str) -> dict[str, type | tuple[str, ...]]:
+    """The shape keywords `build(name, ...)` takes, from its builder's signature, each with what it
+    accepts: `int`, or the allowed strings of a `Literal` (the LLM's `mode`)."""
+    for known, builder, _ in _BUILDERS:
+        if name == known:
+            hints = typing.get_type_hints(builder)
+            keys = [k for k in inspect.signature(builder).parameters
+                    if k not in ("variant", "device", "dtype", "seed")]
+            return {k: _accepts(hints[k]) for k in keys}
+    raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+
+
+def _accepts(hint: object) -> type | tuple[str, ...]:
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    kinds = [a for a in typing.get_args(hint) or (hint,) if a is not type(None)]
+    if kinds != [int]:  # a builder grew a keyword the command line cannot spell
+        raise TypeError(f"shape keyword of type {hint} is neither an int nor a Literal")
+    return int
 
 
 def _check_fits(name: str, meta_model: torch.nn.Module, dtype: torch.dtype,

@@ -141,6 +141,13 @@ def check_materialized(model: nn.Module) -> None:
                 raise RuntimeError(f"{mod_name or '<root>'}.{attr} is still on the meta device")
 
 
+def check_sizes(**sizes: int) -> None:
+    """Raise ValueError naming the first size below 1: no token count or batch may be empty."""
+    for key, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{key} must be at least 1, got {value}")
+
+
 def as_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:

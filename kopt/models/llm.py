@@ -39,6 +39,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from kopt.models._common import (
     Workload,
     as_device,
+    check_sizes,
     dtype_name,
     generator,
     is_meta,
@@ -136,6 +137,7 @@ def build(
     defaults = _DEFAULTS[variant, mode]
     batch = defaults["batch"] if batch is None else batch
     seq_len = defaults["seq_len"] if seq_len is None else seq_len
+    check_sizes(batch=batch, seq_len=seq_len)
     config = Qwen3Config(
         **(FULL_CONFIG if variant == "full" else TINY_CONFIG), attn_implementation="sdpa"
     )

@@ -32,6 +32,7 @@ from diffusers import QwenImageTransformer2DModel
 from kopt.models._common import (
     Workload,
     as_device,
+    check_sizes,
     dtype_name,
     generator,
     is_meta,
@@ -85,6 +86,7 @@ def build(
     height = defaults["height"] if height is None else height
     width = defaults["width"] if width is None else width
     text_tokens = defaults["text_tokens"] if text_tokens is None else text_tokens
+    check_sizes(height=height, width=width, text_tokens=text_tokens, batch=batch)
     multiple = VAE_SCALE_FACTOR * PATCH
     if height % multiple or width % multiple:
         raise ValueError(f"height and width must be multiples of {multiple}, got {height}x{width}")
