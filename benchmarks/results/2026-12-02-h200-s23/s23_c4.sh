@@ -1,6 +1,0 @@
-source benchmarks/probes/s23_common.sh
-date
-timeout 545 python benchmarks/ablate.py --model qwen-image --fp8 --disable fuse_allreduce_norm --kind leave-one-out --seeds 0 --iters 5 --warmup 2 --profile-iters 3 --paired --pass hoist --pass absorb_bias --pass merge_projections --out-dir $D/w1 > $D/w1.txt 2>&1
-grep -E "^ablate |calibration graph|miss|Traceback|Error" $D/w1.txt | cut -c1-300
-grep -B2 -A12 "leave-one-out, replayed" $D/w1.txt
-date
