@@ -624,9 +624,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch's own pytree deprecation notices are not the user's concern here.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    if not args.quiet:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr,
-                            force=True)
+    # progress lines (INFO) unless quiet, on this call's stderr
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(message)s", stream=sys.stderr, force=True)
     try:
         _check_arguments(args)
         if args.command in ("optimize", "profile"):
