@@ -518,9 +518,14 @@ def _bench(args: argparse.Namespace, model: torch.nn.Module, margs: tuple, mkwar
         if cuda:
             from kopt.bench import graphed_call
 
-            replay = graphed_call(lambda: model(*margs, **mkwargs))
-            rows.append(("model, captured by hand in a CUDA graph",
-                         median_ms(replay, args.bench, device=args.device)))
+            try:
+                replay = graphed_call(lambda: model(*margs, **mkwargs))
+                rows.append(("model, captured by hand in a CUDA graph",
+                             median_ms(replay, args.bench, device=args.device)))
+            except RuntimeError as e:  # the model itself does not capture: say so
+                torch.cuda.synchronize()
+                print(f"model, captured by hand in a CUDA graph: the capture failed: "
+                      f"{str(e).splitlines()[0][:200]}")
             other = "off" if opt.cuda_graphs is not False else "auto"
             opt.cuda_graphs = CUDA_GRAPHS[other]
             rows.append((f"kopt, --cuda-graphs {other}",
