@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("kopt")
@@ -126,8 +127,9 @@ class _Watch(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
             self.allocated[StorageWeakRef(out.untyped_storage())] = out.untyped_storage().nbytes()
-        elif func not in _VIEWS and self.other is None:
-            self.other = str(func)
+        elif func not in _VIEWS and self.other is None and any(
+                isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs, out))):
+            self.other = str(func)  # (an op on no tensor, e.g. promote_types, computes none)
         return out
 
 
@@ -203,8 +205,8 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
     if not _hooks_empty():
         raise _Unreplayable("a Triton launch hook is set")
     g: dict[str, Any] = {"empty_strided": torch.empty_strided, "empty": torch.empty,
-                         "uint8": torch.uint8, "current_device": torch.cuda.current_device,
-                         "raw_stream": torch._C._cuda_getCurrentRawStream}
+                         "uint8": torch.uint8, "current_device": torch._C._cuda_getDevice,
+                         "raw_stream": torch._C._cuda_getCurrentRawStream, "scratch": {}}
     lines: list[str] = []
     sources: dict[StorageWeakRef, tuple[str, int]] = {}  # storage -> (expression, its ptr)
     leaves = _leaves(args)
@@ -246,6 +248,7 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
     calls = []
     aligned: list[str] = []
     scratch = 0
+    scratch_bytes: list[int] = []
     for c, n in enumerate(notes):
         assert n is not None
         values = []
@@ -257,10 +260,9 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
                     continue
                 ref = StorageWeakRef(v.untyped_storage())
                 if ref not in sources:
-                    if ref in watch.allocated:  # a scratch buffer: allocated anew each call
-                        lines.append(f"s{scratch} = empty(({watch.allocated[ref]},), "
-                                     "dtype=uint8, device=device).data_ptr()")
-                        sources[ref] = (f"s{scratch}", v.untyped_storage().data_ptr())
+                    if ref in watch.allocated:  # a scratch buffer: one per stream, kept
+                        scratch_bytes.append(watch.allocated[ref])
+                        sources[ref] = (f"s[{scratch}]", v.untyped_storage().data_ptr())
                         scratch += 1
                     else:  # a tensor the op keeps between calls (a table): its own address
                         g[f"kept{c}_{v_i}"] = v
@@ -295,6 +297,15 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
     body.append("        return None")
     body += [f"    {line}" for line in lines if not line.startswith("p")]
     body.append(f"    stream = raw_stream({device.index})")
+    if scratch_bytes:  # the kernels' scratch: launches on one stream run one after another
+        g["scratch_bytes"] = scratch_bytes
+        g["held"] = []
+        body.append("    s = scratch.get(stream)")
+        body.append("    if s is None:")
+        body.append("        bufs = [empty((n,), dtype=uint8, device=device) "
+                    "for n in scratch_bytes]")
+        body.append("        held.append(bufs)")
+        body.append("        s = scratch[stream] = [b.data_ptr() for b in bufs]")
     body += [f"    {call}" for call in calls]
     if form == "tensor":
         body.append(f"    return {out_names[0]}")
