@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kopt.api import OptimizedModule, Report, optimize
+from kopt.api import CudaGraphs, OptimizedModule, Report, optimize
 from kopt.capture import flatten_inputs, input_signature
 from kopt.errors import CaptureError, KoptError
 from kopt.passes import PassConfig
@@ -64,7 +64,7 @@ class KoptTransformer(torch.nn.Module):
     """
 
     def __init__(self, transformer: torch.nn.Module, pass_config: PassConfig,
-                 verify: VerifyOptions, cuda_graphs: bool) -> None:
+                 verify: VerifyOptions, cuda_graphs: CudaGraphs) -> None:
         super().__init__()
         self.transformer = transformer
         self.pass_config = pass_config
@@ -225,15 +225,16 @@ def optimize_pipeline(
     *,
     config: PassConfig = PassConfig(),
     verify: VerifyOptions | bool = True,
-    cuda_graphs: bool = False,
+    cuda_graphs: CudaGraphs = "auto",
     component: str = "transformer",
 ) -> KoptTransformer:
     """Put kopt in front of ``pipe.transformer`` (or another ``component``); returns the wrapper,
     which prints what kopt did (after the pipeline's first call).
 
     ``config`` picks the passes (:func:`exact_tier` for images bitwise equal to the original
-    pipeline's); ``verify`` checks every rewrite on fresh random inputs; ``cuda_graphs`` replays
-    each input signature from a CUDA graph (on CUDA). :func:`restore` undoes it.
+    pipeline's); ``verify`` checks every rewrite on fresh random inputs; ``cuda_graphs``
+    (``"auto"``, as :func:`kopt.optimize`) replays each input signature from a CUDA graph where
+    the transformer runs on CUDA and its graph can be captured. :func:`restore` undoes it.
     """
     model = getattr(pipe, component, None)
     if isinstance(model, KoptTransformer):
