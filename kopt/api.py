@@ -354,6 +354,8 @@ class OptimizedModule:
             return False
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat):
             return False
+        if torch.cuda.is_current_stream_capturing():  # the caller captures this call itself
+            return False
         if spec.runner is not None:
             return spec.plan is None or spec.plan.off is not None or planned
         if self.cuda_graphs == "auto":
