@@ -21,7 +21,13 @@ from kopt.capture import (
     flatten_inputs,
     input_signature,
 )
-from kopt.cudagraphs import CudaGraphRunner, NotCapturable, not_capturable, replay_region
+from kopt.cudagraphs import (
+    CudaGraphRunner,
+    NotCapturable,
+    not_capturable,
+    pool_bytes,
+    replay_region,
+)
 from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
 from kopt.graph.regions import CachedRegion, cached_regions
@@ -156,7 +162,7 @@ class _Specialization:
         self.plan: ExecutionPlan | None = None
         self.runner: CudaGraphRunner | None = None
         self.graphs_off: str | None = None  # why this graph runs without CUDA graphs
-        self.pool_mib: float | None = None  # what its capture added to the graph pool
+        self.pool_mib: float | None = None  # what the module's CUDA-graph pool holds
         self.said_strides = False
 
     def runtime_lines(self, cuda_graphs: CudaGraphs) -> list[str]:
@@ -168,7 +174,7 @@ class _Specialization:
             lines.append("CUDA graphs: replayed from one graph"
                          + (" (hoisted regions outside it)" if self.runner.hoisted_outside
                             else "")
-                         + (f"; the graph pool holds {self.pool_mib:.1f} MiB after it"
+                         + (f"; the memory pool its graphs share holds {self.pool_mib:.1f} MiB"
                             if self.pool_mib is not None else ""))
         elif self.graphs_off is not None:
             lines.append(f"CUDA graphs: off ({self.graphs_off})")
@@ -331,7 +337,6 @@ class OptimizedModule:
         runner = spec.runner
         if runner.graph is not None or runner.calls < runner.warmup:
             return runner(*flat)
-        before = torch.cuda.memory_reserved()
         try:
             out = runner(*flat)
         except (NotCapturable, RuntimeError) as e:
@@ -344,8 +349,10 @@ class OptimizedModule:
             spec.runner = None
             self._refresh_report(spec)
             return gm(*flat)
-        spec.pool_mib = (torch.cuda.memory_reserved() - before) / 2**20
-        self._refresh_report(spec)
+        held = pool_bytes(self._pool)
+        for other in self._specs.values():  # one pool: every report gives what it holds now
+            other.pool_mib = None if held is None else held / 2**20
+            self._refresh_report(other)
         return out
 
     def _graphs(self, spec: _Specialization, flat: list[Any], planned: bool) -> bool:

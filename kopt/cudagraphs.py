@@ -201,6 +201,21 @@ def _static_copy(a: Any) -> Any:
     return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
 
 
+def pool_bytes(pool: Any) -> int | None:
+    """Bytes the caching allocator holds in the CUDA-graph memory pool ``pool`` (a
+    ``torch.cuda.graph_pool_handle()``), from its segments; None where the allocator's snapshot
+    does not name segments' pools."""
+    total, named = 0, False
+    for segment in torch.cuda.memory_snapshot():
+        owner = segment.get("segment_pool_id")
+        if owner is None:
+            continue
+        named = True
+        if tuple(owner) == tuple(pool):
+            total += segment["total_size"]
+    return total if named else None
+
+
 class NotCapturable(RuntimeError):
     """The forward cannot be captured in a CUDA graph; the message says why."""
 
