@@ -283,7 +283,7 @@ def main() -> None:
                                               activation_math=args.fp8_activation_math))
     t0 = time.perf_counter()
     w = build(args.model, device=args.device, dtype=DTYPES[args.dtype],
-              **parse_shape(args.shape))
+              **parse_shape(args.shape, args.model))
     print(f"{w.description}; built in {time.perf_counter() - t0:.1f} s", flush=True)
     cap = capture_module(w.model, w.args, w.kwargs)
     print(f"captured in {time.perf_counter() - t0:.1f} s", flush=True)

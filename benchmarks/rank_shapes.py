@@ -104,7 +104,7 @@ def main() -> None:
     results = {}
     for at in args.at:
         t0 = time.perf_counter()
-        shape = parse_shape(at.split(","))
+        shape = parse_shape(at.split(","), args.model, "--at")
         results[at] = predicted_loo(args.model, DTYPES[args.dtype], shape, config, device,
                                     tuple(args.passes))
         print(f"{at}: {time.perf_counter() - t0:.0f} s", flush=True)

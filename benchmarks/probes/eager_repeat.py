@@ -33,7 +33,8 @@ from kopt.verify import VerifyOptions
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, shape = sys.argv[1], parse_shape(sys.argv[2:])
+    model = sys.argv[1]
+    shape = parse_shape(sys.argv[2:], model)
     w = build(model, device=device, dtype=torch.bfloat16, **shape)
     cap = capture_module(w.model, w.args, w.kwargs)
     config = PassConfig(fuse_allreduce_norm=False, fp8=FP8Config(layout="rowwise"))
