@@ -544,6 +544,7 @@ def _check_cuda_graphs(value: Any) -> CudaGraphs:
 
 def _will_replay(cuda_graphs: CudaGraphs, flat: Sequence[Any]) -> bool:
     """Whether calls with inputs like ``flat`` are meant to replay from CUDA graphs (the
-    knowledge base's dead ends recorded for that mode then apply)."""
-    return cuda_graphs is not False and any(isinstance(a, torch.Tensor) and a.is_cuda
-                                            for a in flat)
+    knowledge base's dead ends recorded for that mode then apply): forced on, or "auto" with
+    inputs on CUDA."""
+    return cuda_graphs is True or (cuda_graphs == "auto" and any(
+        isinstance(a, torch.Tensor) and a.is_cuda for a in flat))

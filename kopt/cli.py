@@ -495,8 +495,10 @@ CUDA_GRAPHS = {"auto": "auto", "on": True, "off": False}
 
 
 def _replays(args: argparse.Namespace) -> bool:
-    """Whether the optimized module replays from CUDA graphs (for the cost model and the KB)."""
-    return args.cuda_graphs != "off" and str(args.device).startswith("cuda")
+    """Whether the optimized module is meant to replay from CUDA graphs (for the cost model's
+    predictions and the KB): ``on``, or ``auto`` on a CUDA device."""
+    return args.cuda_graphs == "on" or (args.cuda_graphs == "auto"
+                                        and str(args.device).startswith("cuda"))
 
 
 def _bench(args: argparse.Namespace, model: torch.nn.Module, margs: tuple, mkwargs: dict,

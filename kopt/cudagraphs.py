@@ -134,7 +134,7 @@ def _cut_views(module: CachedRegion) -> tuple[CachedRegion, tuple] | None:
     region = CachedRegion(fx.GraphModule(module.region, new), module.key_positions,
                           module.key_names)
     if module.planned is not None:  # the prelude runs the region's misses as planned too
-        plan_region(region, module.planned_strides)
+        plan_region(region, module.planned_for)
     return region, (graph, views, bases)
 
 

@@ -4,8 +4,8 @@ The optimized graph is what the passes produced and verification checked: kopt's
 ``torch.library`` ops (so the graph exports, traces under ``torch.compile`` and propagates
 fake tensors) and aten ops are ``OpOverload`` calls. Run as it is, each node pays the
 dispatcher's boxed path and each fused op its Python checks and Triton's launch path: on the
-H200's host 110-255 us per fused op, which makes kopt slower than the model it replaces
-outside CUDA graphs (RESULTS.md, 2026-12-04, H200). The plan is a copy of that graph, computing
+H200's host 70-300 us per fused op, which made kopt slower than the model it replaces outside
+CUDA graphs (RESULTS.md, 2026-12-04, H200). The plan is a copy of that graph, computing
 the same values bit for bit, in which:
 
 - a fused op on CUDA is a :class:`kopt.codegen.launch.DirectOp`: its CUDA implementation
@@ -14,7 +14,7 @@ the same values bit for bit, in which:
   costs what the unfused ops cost (no dispatcher into Python, no per-call checks);
 - a chain of views is one view, and a view to the shape it already has is dropped;
 - an aten op is called through its Python binding (``torch._C._VariableFunctions.add``,
-  ``TensorBase.view``) rather than its ``OpOverload`` where that binding is checked, on fake
+  ``TensorBase.view``) rather than its ``OpOverload`` where that binding is checked, on meta
   tensors, to dispatch exactly the ops the overload does: half the host time per op.
 
 A plan is specialised on the strides of the graph's tensor inputs (the optimized module is
@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kopt.codegen.launch import DirectOp, bitwise_equal
 from kopt.codegen.ops import CUDA_IMPLS, REFERENCES
-from kopt.graph.regions import CachedRegion, cached_regions
+from kopt.graph.regions import CachedRegion, cached_regions, layout
 from kopt.graph.splice import copy_graph_module, inline_graph
 from kopt.verify import mutated_attributes, random_inputs
 
@@ -92,17 +92,18 @@ class PlanSummary:
 class ExecutionPlan:
     """The runtime form of one optimized graph (module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, strides: tuple, summary: PlanSummary,
+    def __init__(self, gm: fx.GraphModule, for_layout: tuple, summary: PlanSummary,
                  ops: list[DirectOp]) -> None:
         self.gm = gm
-        self.strides = strides
+        self.layout = for_layout
         self.summary = summary
         self.ops = ops
         self.off: str | None = None  # why the plan is not used (the optimized graph runs)
 
     def matches(self, flat: Sequence[Any]) -> bool:
-        """Whether a call's inputs have the strides the plan was made for."""
-        return self.off is None and _strides(flat) == self.strides
+        """Whether a call's inputs have the strides (and dtypes, devices) the plan was made
+        for."""
+        return self.off is None and layout(flat) == self.layout
 
     def describe(self) -> str:
         if self.off is not None:
@@ -126,14 +127,10 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _strides(flat: Sequence[Any]) -> tuple:
-    return tuple(t.stride() if isinstance(t, torch.Tensor) else None for t in flat)
-
-
 # The plan's rewrites, each of which can be left out: inlining or direct launches of the fused
 # ops, folded views, Python bindings. A plan that does not match the optimized graph is made
-# again without the later ones, one at a time, so that a rewrite that fails on some graph costs
-# only its own saving (the report names it).
+# again without one of them, then two (largest plan first), so that a rewrite that fails on
+# some graph costs only its own saving (the report names it).
 STAGES = ("fused", "views", "bindings")
 
 
@@ -164,7 +161,7 @@ def build_plan(gm: fx.GraphModule, example: Sequence[Any], check: bool = True
                 return plan
     plan.off = first_problem
     for region in cached_regions(gm):
-        region.planned = None
+        region.set_plan(None, ())
     log.warning("kopt: %s", plan.describe())
     return plan
 
@@ -178,23 +175,23 @@ def _make_plan(gm: fx.GraphModule, example: Sequence[Any], stages: tuple[str, ..
         if node.op == "call_module":
             module = plan_gm.get_submodule(node.target)
             if isinstance(module, CachedRegion):
-                plan_region(module, tuple(_stride_of(a) for a in node.args), summary, ops,
+                plan_region(module, layout(_meta_of(a) for a in node.args), summary, ops,
                             stages)
     _lower(plan_gm, summary, ops, stages)
-    return ExecutionPlan(plan_gm, _strides(example), summary, ops)
+    return ExecutionPlan(plan_gm, layout(example), summary, ops)
 
 
-def plan_region(region: CachedRegion, strides: tuple, summary: PlanSummary | None = None,
+def plan_region(region: CachedRegion, for_layout: tuple, summary: PlanSummary | None = None,
                 ops: list[DirectOp] | None = None, stages: tuple[str, ...] = STAGES) -> None:
-    """Give ``region`` the plan of its graph, for inputs of ``strides``."""
+    """Give ``region`` the plan of its graph, for inputs of ``for_layout``
+    (:func:`kopt.graph.regions.layout`)."""
     lowered = _lower(copy_graph_module(region.region), summary or PlanSummary(),
                      [] if ops is None else ops, stages)
-    region.set_plan(lowered, strides)
+    region.set_plan(lowered, for_layout)
 
 
-def _stride_of(a: Any) -> Any:
-    v = a.meta.get("val") if isinstance(a, fx.Node) else a
-    return v.stride() if isinstance(v, torch.Tensor) else None
+def _meta_of(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
 def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp],
@@ -498,18 +495,18 @@ def _run_clean(gm: fx.GraphModule, inputs: Sequence[Any], planned_regions: bool)
     """``gm(*inputs)``'s outputs, its hoisted regions empty before (so that they compute) and
     after, computing with their plans or without them."""
     regions = cached_regions(gm)
-    plans = [(r, r.planned) for r in regions]
+    plans = [(r, r.planned, r.planned_for) for r in regions]
     try:
         for r in regions:
             r.clear()
             if not planned_regions:
-                r.planned = None
+                r.set_plan(None, ())
         with torch.no_grad():
             return pytree.tree_leaves(gm(*inputs))
     finally:
-        for r, planned in plans:
+        for r, planned, for_layout in plans:
             r.clear()
-            r.planned = planned
+            r.set_plan(planned, for_layout)
 
 
 def _differ(got: Sequence[Any], want: Sequence[Any]) -> int | None:

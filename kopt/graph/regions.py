@@ -31,6 +31,12 @@ VALUE_MISSES_IN_A_ROW = 8
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def layout(values: Any) -> tuple:
+    """Each tensor's strides, dtype and device (None for a non-tensor)."""
+    return tuple((v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else None
+                 for v in values)
+
+
 class CachedRegion(torch.nn.Module):
     """Runs ``region`` unless its key inputs and parameters are the ones of the last call."""
 
@@ -45,20 +51,21 @@ class CachedRegion(torch.nn.Module):
         self.hits = 0
         self.misses = 0
         self.value_misses = 0  # value compares in a row that found no entry
-        # the region's execution plan (kopt.runtime), for inputs of these strides
-        self.planned: fx.GraphModule | None = None
-        self.planned_strides: tuple = ()
+        # the region's execution plan (kopt.runtime), for inputs of this layout; kept out of
+        # the module tree (a runtime form, not a part of the graph to count, save or move)
+        object.__setattr__(self, "planned", None)
+        self.planned_for: tuple = ()
 
-    def set_plan(self, planned: fx.GraphModule, strides: tuple) -> None:
+    def set_plan(self, planned: fx.GraphModule | None, for_layout: tuple) -> None:
         """Compute misses with ``planned`` (bitwise ``region``) when the inputs have
-        ``strides``."""
-        self.planned, self.planned_strides = planned, strides
+        ``for_layout`` (:func:`layout`): a plan is traced and recorded for its inputs' strides and dtypes (the
+        verifier's fp64 run calls the region with others)."""
+        object.__setattr__(self, "planned", planned)
+        self.planned_for = for_layout
 
     def _compute(self, *args: Any) -> Any:
         planned = self.planned
-        if planned is not None and tuple(
-                a.stride() if isinstance(a, torch.Tensor) else None
-                for a in args) == self.planned_strides:
+        if planned is not None and layout(args) == self.planned_for:
             return planned(*args)
         return self.region(*args)
 
