@@ -58,8 +58,8 @@ class CachedRegion(torch.nn.Module):
 
     def set_plan(self, planned: fx.GraphModule | None, for_layout: tuple) -> None:
         """Compute misses with ``planned`` (bitwise ``region``) when the inputs have
-        ``for_layout`` (:func:`layout`): a plan is traced and recorded for its inputs' strides and dtypes (the
-        verifier's fp64 run calls the region with others)."""
+        ``for_layout`` (:func:`layout`): a plan is traced and recorded for its inputs' strides
+        and dtypes (the verifier's fp64 run calls the region with others)."""
         object.__setattr__(self, "planned", planned)
         self.planned_for = for_layout
 
