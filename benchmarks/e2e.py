@@ -299,22 +299,11 @@ def run_variant(name: str, w: Workload, uncond: dict, refs: list[tuple[dict, tor
     row: dict = {}
     if name == "eager-bf16":
         return measure(name, w.model, w, uncond, refs, args.iters, args.cuda_graphs, args.device)
-    if name == "torchao-fp8":
+    if name in ("inductor-bf16", "naive-fp8-inductor", "torchao-fp8"):
         torch._dynamo.reset()
-        n_fp8 = torchao_fp8(w.model)
-        with regional_compile(w.model) as n_blocks:
-            with torch.no_grad():
-                w.model(*w.args, **w.kwargs)  # compile
-            row = {"fp8_linears": n_fp8, "compiled_blocks": n_blocks,
-                   "prepare_s": time.perf_counter() - t0}
-            row.update(measure(name, w.model, w, uncond, refs, args.iters, args.cuda_graphs,
-                               args.device))
-        torch._dynamo.reset()
-        return row
-    if name in ("inductor-bf16", "naive-fp8-inductor"):
-        torch._dynamo.reset()
-        quant = swapped(w.model, naive_fp8) if name.startswith("naive") else \
-            contextlib.nullcontext(0)
+        quant = (swapped(w.model, naive_fp8) if name.startswith("naive") else
+                 contextlib.nullcontext(torchao_fp8(w.model)) if name.startswith("torchao")
+                 else contextlib.nullcontext(0))
         with quant as n_fp8, regional_compile(w.model) as n_blocks:
             with torch.no_grad():
                 w.model(*w.args, **w.kwargs)  # compile

@@ -91,13 +91,6 @@ def sustain(fn: Callable[[], object], seconds: float,
 def graphed_call(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured in one CUDA graph, as a user captures a model by hand (two warm-up calls
     on a side stream, then the capture); the returned callable replays it on the same inputs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    from kopt.cudagraphs import capture_graph
+
+    return capture_graph(fn, warmup=2)[0].replay

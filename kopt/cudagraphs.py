@@ -220,13 +220,14 @@ class NotCapturable(RuntimeError):
     """The forward cannot be captured in a CUDA graph; the message says why."""
 
 
-def _cuda_capture(fn: Any, pool: Any) -> tuple[Any, Any]:
-    """``(graph, fn's result)``: ``fn`` captured in a CUDA graph (after one warm-up run on a
+def capture_graph(fn: Any, pool: Any = None, warmup: int = 1) -> tuple[Any, Any]:
+    """``(graph, fn's result)``: ``fn`` captured in a CUDA graph (after ``warmup`` runs on a
     side stream: the allocator and library handles), into memory pool ``pool``."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        for _ in range(warmup):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
@@ -248,7 +249,7 @@ class CudaGraphRunner:
         self.warmup = warmup
         self.clone_outputs = clone_outputs
         self.pool = pool
-        self.capture = capture if capture is not None else _cuda_capture
+        self.capture = capture if capture is not None else capture_graph
         self.calls = 0
         self.graph: Any = None
         self._static: list[Any] = []
