@@ -41,9 +41,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kopt.codegen.launch import DirectOp, bitwise_equal
+from kopt.codegen.launch import DirectOp
 from kopt.codegen.ops import CUDA_IMPLS, REFERENCES
-from kopt.graph.regions import CachedRegion, cached_regions, layout
+from kopt.graph.regions import CachedRegion, cached_regions, layout, same_value
 from kopt.graph.splice import copy_graph_module, inline_graph
 from kopt.verify import mutated_attributes, random_inputs
 
@@ -511,12 +511,8 @@ def _run_clean(gm: fx.GraphModule, inputs: Sequence[Any], planned_regions: bool)
 
 def _differ(got: Sequence[Any], want: Sequence[Any]) -> int | None:
     """The first output that is not bitwise equal, or None."""
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        same = (bitwise_equal(a, b) if isinstance(a, torch.Tensor) and isinstance(
-            b, torch.Tensor) else a == b)
-        if not same:
-            return i
-    return None
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=True))
+                 if not same_value(a, b)), None)
 
 
 def _check(plan: ExecutionPlan, gm: fx.GraphModule, example: Sequence[Any]) -> str | None:

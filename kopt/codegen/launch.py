@@ -33,6 +33,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kopt.graph.regions import same_value
+
 log = logging.getLogger("kopt")
 
 aten = torch.ops.aten
@@ -171,18 +173,6 @@ def _extent_bytes(t: torch.Tensor) -> int:
         return 0
     return (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))) \
         * t.element_size()
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (NaNs too), compared as integers of the element's width."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    if a.is_floating_point():
-        a, b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
-    return torch.equal(a, b)
 
 
 class _Unreplayable(Exception):
@@ -364,7 +354,7 @@ class DirectOp:
             got = _flat_outputs(again)
             want = _flat_outputs(result)
             assert got is not None and want is not None
-            if not all(bitwise_equal(a, b) for a, b in zip(got[0], want[0], strict=True)):
+            if not all(same_value(a, b) for a, b in zip(got[0], want[0], strict=True)):
                 raise _Unreplayable("the replay's outputs differ from the recorded call's")
             self._replay = replay
         except _Unreplayable as e:

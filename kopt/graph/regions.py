@@ -95,7 +95,7 @@ class CachedRegion(torch.nn.Module):
             for i, (held, held_versions, _) in enumerate(self._entries):
                 # the held keys and the parameters unchanged since the entry was made
                 if (self._versions_now(held) == held_versions
-                        and all(_same_value(a, b) for a, b in zip(keys, held, strict=True))):
+                        and all(same_value(a, b) for a, b in zip(keys, held, strict=True))):
                     self.value_misses = 0
                     return self._hit(i, keys, versions)
             self.value_misses += 1
@@ -139,7 +139,7 @@ def _small(keys: tuple[Any, ...]) -> bool:
                for k in keys)
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Bitwise equal tensors (0.0 and -0.0 differ, a NaN equals itself), or equal non-tensors."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)

@@ -13,8 +13,8 @@ from torch import fx, nn
 
 import kopt
 from kopt.capture import flatten_inputs
-from kopt.codegen.launch import bitwise_equal
 from kopt.cudagraphs import CudaGraphRunner, not_capturable
+from kopt.graph.regions import same_value
 from kopt.models import build
 from kopt.runtime import build_plan, is_dense
 from kopt.verify import random_inputs
@@ -31,7 +31,7 @@ def _kopt_ops(gm: fx.GraphModule) -> list[fx.Node]:
 def _same(a, b) -> bool:  # noqa: ANN001
     la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
     return len(la) == len(lb) and all(
-        bitwise_equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        same_value(x, y)
         for x, y in zip(la, lb, strict=True))
 
 
