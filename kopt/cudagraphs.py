@@ -160,7 +160,6 @@ _SYNCING = frozenset({
     "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_consecutive",
     "aten::unique_dim", "aten::equal", "aten::is_nonzero", "aten::allclose",
     "aten::repeat_interleave", "aten::bincount", "aten::histc", "aten::argwhere",
-    "aten::_assert_async", "aten::tolist",
 })
 
 
