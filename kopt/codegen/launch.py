@@ -7,7 +7,7 @@ allocates the outputs (and any scratch buffer) the call allocated, computes each
 argument as a source tensor's address plus the offset it had, and calls each compiled kernel's
 launcher with the recorded scalars and constexprs. That skips the dispatcher, the op's Python
 checks and planning, and Triton's argument binding and specialisation, which together cost
-the host 110-255 us per launch where the replay costs about a tenth of that (RESULTS.md,
+the host 78-297 us per call where the replay costs a tenth to a quarter of that (RESULTS.md,
 2026-12-04, H200; ``benchmarks/host_cost.py``).
 
 A call can be replayed only if its launches are a function of what the replay keeps fixed:
