@@ -58,8 +58,9 @@ from kopt.ablate import STEPS, step_kwargs
 from kopt.bench import median_ms
 from kopt.codegen.rowwise import INTERMEDIATES
 from kopt.floor import Floor, floor_lines, forward_work, measure_floor
+from kopt.kb.store import KnowledgeBase
 from kopt.models import Workload, build, main_output
-from kopt.passes.config import ACTIVATION_MATHS, LAYOUTS
+from kopt.passes.config import ACCUMULATIONS, ACTIVATION_MATHS, LAYOUTS
 from kopt.power import ClockSampler
 from kopt.verify import VerifyOptions, relative_error
 
@@ -314,7 +315,8 @@ def run_variant(name: str, w: Workload, uncond: dict, refs: list[tuple[dict, tor
         torch._dynamo.reset()
         return row
     fp8 = kopt.FP8Config(layout=args.fp8_layout, intermediates=args.fp8_intermediates,
-                         activation_math=args.fp8_activation_math)
+                         activation_math=args.fp8_activation_math,
+                         accumulate=args.fp8_accumulate)
     config = kopt.PassConfig(fp8=fp8 if name.startswith("kopt-fp8") else None).replace(
         **{p: True for p in args.enable})
     if name.endswith("-inductor"):
@@ -471,8 +473,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fp8-activation-math", choices=ACTIVATION_MATHS, default="fast",
                    help="kopt-fp8's fused activation + quantizer math "
                         "(kopt.FP8Config.activation_math)")
+    p.add_argument("--fp8-accumulate", choices=ACCUMULATIONS,
+                   default=kopt.FP8Config().accumulate,
+                   help="kopt-fp8's GEMM accumulation (kopt.FP8Config.accumulate)")
     p.add_argument("--enable", action="append", default=[], metavar="PASS",
                    help="turn on a pass that is off by default in the kopt variants")
+    p.add_argument("--kb", type=Path, metavar="PATH",
+                   help="record kopt-fp8's error and speed against naive FP8 in this knowledge "
+                        "base, as a lesson on its FP8Config (the evidence for its defaults)")
     args = p.parse_args(argv)
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS) - set(EXTRA_VARIANTS))
@@ -488,7 +496,8 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "iters": args.iters,
             "fp8_layout": args.fp8_layout, "fp8_intermediates": args.fp8_intermediates,
-            "fp8_activation_math": args.fp8_activation_math}
+            "fp8_activation_math": args.fp8_activation_math,
+            "fp8_accumulate": args.fp8_accumulate}
     print(w.description, flush=True)
     ref = w.run()
     refs = [(w.kwargs, ref)]
@@ -522,6 +531,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda":
         meta["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     write_outputs(rows, meta, Path(args.out_dir))
+    if args.kb is not None:
+        lesson = fp8_lesson(rows, meta)
+        if lesson is not None:
+            with KnowledgeBase.open(args.kb) as kb:
+                kb.add_lesson(lesson, ["numerics"], rewrite="fp8", device=meta["device"])
+            print(f"recorded in {args.kb}: {lesson}")
+
+
+def fp8_lesson(rows: dict[str, dict], meta: dict) -> str | None:
+    """One line on kopt-fp8's FP8Config against naive FP8 in this run: output error and time
+    as ratios of the baseline's (None without both rows)."""
+    naive = rows.get("naive-fp8-inductor")
+    kopt_row = next((r for k, r in rows.items() if k.startswith("kopt-fp8, default")), None) \
+        or rows.get("kopt-fp8")
+    if naive is None or kopt_row is None:
+        return None
+    return (f"FP8Config(layout={meta['fp8_layout']!r}, accumulate={meta['fp8_accumulate']!r}, "
+            f"activation_math={meta['fp8_activation_math']!r}) on {meta['model']}, "
+            f"{meta['date']}: output error {kopt_row['rel_err_vs_eager']:.3e} = "
+            f"{kopt_row['rel_err_vs_eager'] / naive['rel_err_vs_eager']:.3f}x naive FP8's, "
+            f"time {best_forward_ms(kopt_row) / best_forward_ms(naive):.3f}x naive FP8 + "
+            "Inductor's")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ graph, then times back-to-back calls of
 
 The tiny model's kernels take the device a few microseconds, so back-to-back calls are bound by
 the host: the wall time over ``--calls`` calls is the host time per call (the median of
-``--rounds`` rounds). Run it on the machine whose host you want measured (``--device cpu``: a
-smoke run; the plan's CPU form inlines the op, so there only the dispatcher is timed).
+``--rounds`` rounds, each timing the three in turn). Run it on the machine whose host you want
+measured (``--device cpu``: a smoke run; the plan's CPU form inlines the op, so there only the
+dispatcher is timed).
 """
 
 from __future__ import annotations
@@ -71,21 +72,26 @@ def first_calls(gm: fx.GraphModule, inputs: list[Any]) -> dict[Any, tuple]:
     return seen
 
 
-def host_us(fn: Callable[[], object], calls: int, rounds: int, cuda: bool) -> float:
-    """Median over ``rounds`` of the wall time per call of ``calls`` back-to-back calls."""
-    for _ in range(20):
-        fn()
-    per = []
-    for _ in range(rounds):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def host_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int,
+            cuda: bool) -> dict[str, float]:
+    """Per function, the median over ``rounds`` of the wall time per call of ``calls``
+    back-to-back calls; every round times each function once, so that the host's drift over
+    the run moves all of them alike."""
+    for fn in fns.values():
+        for _ in range(20):
             fn()
-        per.append((time.perf_counter() - t0) / calls * 1e6)
-        if cuda:
-            torch.cuda.synchronize()
-    return statistics.median(per)
+    per: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per[k].append((time.perf_counter() - t0) / calls * 1e6)
+            if cuda:
+                torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in per.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,17 +117,16 @@ def main(argv: list[str] | None = None) -> None:
                           if isinstance(a, torch.Tensor) and a.dtype in ADDABLE),
                          torch.randn(64, 64, device=args.device))
             row: dict[str, Any] = {"op": f"kopt::{name}", "kind": KINDS.get(name, name)}
-            row["dispatcher_us"] = host_us(lambda op=op, a=op_args: op(*a), args.calls,
-                                           args.rounds, cuda)
+            fns: dict[str, Callable[[], object]] = {
+                "dispatcher_us": lambda op=op, a=op_args: op(*a),
+                "torch_add_us": lambda x=first: torch.add(x, x)}
             if cuda and op in CUDA_IMPLS:
                 direct = DirectOp(op, CUDA_IMPLS[op], f"kopt_{name}")
                 direct(*op_args)  # recorded
                 row["replayed"] = direct.direct
                 row["why_not"] = direct.why_not
-                row["plan_us"] = host_us(lambda d=direct, a=op_args: d(*a), args.calls,
-                                         args.rounds, cuda)
-            row["torch_add_us"] = host_us(lambda x=first: torch.add(x, x), args.calls,
-                                          args.rounds, cuda)
+                fns["plan_us"] = lambda d=direct, a=op_args: d(*a)
+            row.update(host_us(fns, args.calls, args.rounds, cuda))
             rows.append(row)
     host = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"host time per call, us (median of {args.rounds} rounds of {args.calls} calls; "

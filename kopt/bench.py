@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,36 @@ def median_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 3,
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / repeat)
     return statistics.median(times)
+
+
+def interleaved_ms(fns: Sequence[Callable[[], object]], iters: int = 10, warmup: int = 3,
+                   device: str | torch.device = "cpu") -> list[float]:
+    """Median ms per call of each of ``fns``, timed as :func:`median_ms` times one call, but
+    interleaved: each of the ``iters`` rounds times every function once, the order rotated
+    round by round. A drift of the host or the clock during the run then moves every function's
+    samples alike, and their ratios hold where times taken one after another would not."""
+    cuda = torch.device(device).type == "cuda"
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(iters):
+        for k in range(len(fns)):
+            i = (k + r) % len(fns)
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
+                start.record()
+                fns[i]()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fns[i]()
+                times[i].append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def per_call_us(f: Callable[[], Any], calls: int) -> float:

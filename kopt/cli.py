@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     from kopt.codegen.rowwise import INTERMEDIATES
     from kopt.models import MODEL_NAMES
     from kopt.passes import PassConfig
-    from kopt.passes.config import ACTIVATION_MATHS, LAYOUTS
+    from kopt.passes.config import ACCUMULATIONS, ACTIVATION_MATHS, LAYOUTS
 
     p = argparse.ArgumentParser(prog="kopt", description="Graph-rewriting optimizer for "
                                 "PyTorch inference.")
@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fused activation + quantizer's SiLU/GELU(tanh) with --fp8: exact "
                         "as torch computes them, or fast (the GPU's approximate exp and "
                         "division, a few fp32 ulp off; default: fast)")
+    o.add_argument("--fp8-accumulate", choices=ACCUMULATIONS, default="fast",
+                   help="how the FP8 GEMMs accumulate with --fp8: fast (the tensor cores' "
+                        "own accumulator over K, as torchao's default) or exact (fp32 "
+                        "promotion, cuBLAS's default); default: fast")
     o.add_argument("--no-verify", action="store_true", help="skip verification (not advised)")
     o.add_argument("--seeds", type=int, default=3, help="verification seeds (default: 3)")
     o.add_argument("--explain", metavar="NODE", action="append", default=[],
@@ -350,7 +354,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202
         config = config.replace(fp8=FP8Config(layout=args.fp8_layout,
                                               min_features=args.fp8_min_features,
                                               intermediates=args.fp8_intermediates,
-                                              activation_math=args.fp8_activation_math))
+                                              activation_math=args.fp8_activation_math,
+                                              accumulate=args.fp8_accumulate))
     return config
 
 
@@ -506,37 +511,45 @@ def _bench(args: argparse.Namespace, model: torch.nn.Module, margs: tuple, mkwar
     """``--bench N``: the median time per call of the model and of the optimized module as
     configured; on CUDA also the model captured by hand in one CUDA graph, and the optimized
     module with the other CUDA-graph setting, so one run has every row a user compares."""
-    from kopt.bench import median_ms
+    from kopt.bench import graphed_call, interleaved_ms
 
     cuda = str(args.device).startswith("cuda")
-    rows: list[tuple[str, float]] = []
-    with torch.no_grad():
-        base = median_ms(lambda: model(*margs, **mkwargs), args.bench, device=args.device)
-        rows.append(("model, eager", base))
-        fast = median_ms(lambda: opt(*margs, **mkwargs), args.bench, device=args.device)
-        lines = [line for line in opt.report.runtime if line.startswith("CUDA graphs")]
-        rows.append((f"kopt, --cuda-graphs {args.cuda_graphs} ({lines[0] if lines else ''})",
-                     fast))
-        if cuda:
-            from kopt.bench import graphed_call
+    configured = CUDA_GRAPHS[args.cuda_graphs]
 
+    def kopt_with(setting: Any) -> Callable[[], object]:
+        def call() -> object:
+            opt.cuda_graphs = setting
+            return opt(*margs, **mkwargs)
+        return call
+
+    labels = ["model, eager", f"kopt, --cuda-graphs {args.cuda_graphs}"]
+    fns = [lambda: model(*margs, **mkwargs), kopt_with(configured)]
+    with torch.no_grad():
+        fns[1]()  # the first calls: the report then says how the module runs
+        fns[1]()
+        lines = [line for line in opt.report.runtime if line.startswith("CUDA graphs")]
+        labels[1] += f" ({lines[0]})" if lines else ""
+        if cuda:
             try:
-                replay = graphed_call(lambda: model(*margs, **mkwargs))
-                rows.append(("model, captured by hand in a CUDA graph",
-                             median_ms(replay, args.bench, device=args.device)))
+                fns.append(graphed_call(lambda: model(*margs, **mkwargs)))
+                labels.append("model, captured by hand in a CUDA graph")
             except RuntimeError as e:  # the model itself does not capture: say so
                 torch.cuda.synchronize()
                 print(f"model, captured by hand in a CUDA graph: the capture failed: "
                       f"{str(e).splitlines()[0][:200]}")
-            other = "off" if opt.cuda_graphs is not False else "auto"
-            opt.cuda_graphs = CUDA_GRAPHS[other]
-            rows.append((f"kopt, --cuda-graphs {other}",
-                         median_ms(lambda: opt(*margs, **mkwargs), args.bench,
-                                   device=args.device)))
-            opt.cuda_graphs = CUDA_GRAPHS[args.cuda_graphs]
+            other = "off" if configured is not False else "auto"
+            labels.append(f"kopt, --cuda-graphs {other}")
+            fns.append(kopt_with(CUDA_GRAPHS[other]))
+        try:
+            times = interleaved_ms(fns, args.bench, device=args.device)
+        finally:
+            opt.cuda_graphs = configured
+    base, fast = times[0], times[1]
+    rows = list(zip(labels, times, strict=True))
     if kb_session is not None:
         kb_session.record_e2e(base, fast, cuda_graphs=_replays(args))
-    print(f"time per call on {args.device}, median of {args.bench}:")
+    print(f"time per call on {args.device}, median of {args.bench} (the rows timed in turn, "
+          "call by call):")
     for label, ms in rows:
         print(f"  {label}: {ms:.3f} ms ({ms / base:.3f}x the model's eager time)")
 

@@ -175,6 +175,20 @@ def _extent_bytes(t: torch.Tensor) -> int:
         * t.element_size()
 
 
+def _empty_strided_cuda() -> Callable[..., torch.Tensor]:
+    """``f(shape, stride, dtype)``: an uninitialised tensor on the current CUDA device, from the
+    caching allocator, without the dispatcher: PyTorch's own fast path, the one Inductor's
+    generated code allocates with. The replay checks the current device before it
+    allocates."""
+    fast = getattr(torch._C._dynamo.guards, "_empty_strided_cuda", None)
+    if fast is not None:
+        return fast
+
+    def slow(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(shape, stride, dtype=dtype, device="cuda")
+    return slow
+
+
 class _Unreplayable(Exception):
     """Why a recorded call cannot be replayed."""
 
@@ -194,7 +208,7 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
     outs, form = outputs
     if not _hooks_empty():
         raise _Unreplayable("a Triton launch hook is set")
-    g: dict[str, Any] = {"empty_strided": torch.empty_strided, "empty": torch.empty,
+    g: dict[str, Any] = {"empty_strided": _empty_strided_cuda(), "empty": torch.empty,
                          "uint8": torch.uint8, "current_device": torch._C._cuda_getDevice,
                          "raw_stream": torch._C._cuda_getCurrentRawStream, "scratch": {}}
     lines: list[str] = []
@@ -227,8 +241,7 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
         if t.storage_offset() or watch.allocated[ref] != _extent_bytes(t):
             raise _Unreplayable("an output is a part of a larger allocation")
         g[f"shape{k}"], g[f"stride{k}"], g[f"dtype{k}"] = tuple(t.shape), t.stride(), t.dtype
-        lines.append(f"o{k} = empty_strided(shape{k}, stride{k}, dtype=dtype{k}, "
-                     "device=device)")
+        lines.append(f"o{k} = empty_strided(shape{k}, stride{k}, dtype{k})")
         if t.numel():
             lines.append(f"q{k} = o{k}.data_ptr()")
             sources[ref] = (f"q{k}", t.data_ptr())
@@ -271,10 +284,7 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
                 values.append(f"const{c}_{v_i}")
             else:  # e.g. a host tensor descriptor: it holds this call's tensor
                 raise _Unreplayable(f"launch {c} takes a {type(v).__name__}")
-        g[f"run{c}"], g[f"fn{c}"] = n.compiled.run, n.compiled.function
-        g[f"meta{c}"] = n.compiled.packed_metadata
-        calls.append(f"run{c}({n.grid[0]}, {n.grid[1]}, {n.grid[2]}, stream, fn{c}, meta{c}, "
-                     f"None, None, None, {', '.join(values)})")
+        calls.append(_launch_call(g, c, n, values))
     params = ", ".join(f"a{i}" for i in range(n_args))
     body = [f"def replay({params}):"]
     body += [f"    {line}" for line in lines if line.startswith("p")]
@@ -305,7 +315,88 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
         body.append(f"    return [{', '.join(out_names)}]")
     source = "\n".join(body) + "\n"
     exec(compile(source, f"<kopt replay of {name}>", "exec"), g)  # noqa: S102 -- generated
-    return g["replay"]
+    replay = g["replay"]
+    replay.source = source
+    return replay
+
+
+# A stream value no real stream has: what a spied launch is given, to find where the launcher
+# passes the stream on.
+_STREAM_MARK = 0x7EA5_0000_0001
+
+
+def _launch_call(g: dict[str, Any], c: int, n: Noted, values: list[str]) -> str:
+    """The replay's source line that launches ``n`` (its arguments' expressions ``values``).
+
+    Triton's launcher object (``compiled.run``) is a Python wrapper around a C function
+    (``run.launch``) that allocates the kernel's global and profile scratch, if it has any,
+    and passes everything on. For a kernel without scratch the replay calls the C function
+    directly: one wrapper call is spied on (the C function replaced, so nothing launches) to
+    learn where it puts the stream and the kernel's arguments; every other argument it passes
+    is a constant of this kernel. Where the wrapper does not pass the arguments on as recorded,
+    the replay calls the wrapper."""
+    run = n.compiled.run
+    g[f"run{c}"], g[f"fn{c}"] = run, n.compiled.function
+    g[f"meta{c}"] = n.compiled.packed_metadata
+    wrapper = (f"run{c}({n.grid[0]}, {n.grid[1]}, {n.grid[2]}, stream, fn{c}, meta{c}, "
+               f"None, None, None, {', '.join(values)})")
+    spied = _spy(run, n)
+    if spied is None:
+        return wrapper
+    inner, passed, stream_at, args_at, expanded = spied
+    g[f"launch{c}"] = inner
+    parts = []
+    for k, v in enumerate(passed[:args_at]):
+        if k == stream_at:
+            parts.append("stream")
+        else:
+            g[f"pass{c}_{k}"] = v
+            parts.append(f"pass{c}_{k}")
+    kernel_args = ", ".join(values)
+    if expanded:
+        parts.append(kernel_args)
+    else:
+        parts.append(f"({kernel_args},)" if values else "()")
+    return f"launch{c}({', '.join(p for p in parts if p)})"
+
+
+def _spy(run: Any, n: Noted) -> tuple[Any, tuple, int, int, bool] | None:
+    """``(C function, the arguments the wrapper passed it, the stream's position, the kernel
+    arguments' position, whether they are passed one by one)`` for a wrapper call of ``run``
+    with ``n``'s arguments; None where ``run`` is not such a wrapper or passes anything else."""
+    inner = getattr(run, "launch", None)
+    if inner is None or not callable(inner) or "launch" not in getattr(run, "__dict__", {}):
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \
+            or getattr(run, "gsan_enabled", False):
+        return None
+    seen: list[tuple] = []
+    run.launch = lambda *a: seen.append(a)
+    try:
+        run(*n.grid, _STREAM_MARK, n.compiled.function, n.compiled.packed_metadata, None,
+            None, None, *n.values)
+    except Exception:  # noqa: BLE001 -- a wrapper of another form: call it as it is
+        return None
+    finally:
+        run.launch = inner
+    if len(seen) != 1:
+        return None
+    passed = seen[0]
+    marks = [k for k, v in enumerate(passed) if isinstance(v, int) and v == _STREAM_MARK]
+    if len(marks) != 1:
+        return None
+    values = tuple(n.values)
+    if passed and isinstance(passed[-1], tuple) and len(passed[-1]) == len(values) and all(
+            a is b for a, b in zip(passed[-1], values, strict=True)):
+        args_at, expanded = len(passed) - 1, False
+    elif len(passed) >= len(values) and all(
+            a is b for a, b in zip(passed[len(passed) - len(values):], values, strict=True)):
+        args_at, expanded = len(passed) - len(values), True
+    else:
+        return None
+    if marks[0] >= args_at:
+        return None
+    return inner, passed, marks[0], args_at, expanded
 
 
 class DirectOp:

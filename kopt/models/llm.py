@@ -29,6 +29,7 @@ query heads (full).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 import torch
@@ -113,7 +114,7 @@ class Qwen3DecodeStep(nn.Module):
             layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
             # Rewind: the step writes slot cache_position whatever ran before.
             layer.cumulative_length.copy_(cache_position[0])
-        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True)
+        out = self.model(input_ids=input_ids, use_cache=True, **cache_kwarg(self.model, self.cache))
         return out.last_hidden_state
 
 
@@ -170,7 +171,7 @@ def build(
         prompt = _random_ids(config, tokens, gen, device)
         if not is_meta(device):
             with torch.no_grad():
-                model(input_ids=prompt, cache=cache, use_cache=True)
+                model(input_ids=prompt, use_cache=True, **cache_kwarg(model, cache))
         workload_model = Qwen3DecodeStep(model, cache).eval()
         kwargs = dict(
             input_ids=_random_ids(config, (batch, 1), gen, device),
@@ -194,6 +195,17 @@ def build(
         calls_per_step=1,
         description=description,
     )
+
+
+def cache_kwarg(model: nn.Module, cache: StaticCache) -> dict[str, StaticCache]:
+    """The keyword that hands `model.forward` its KV cache: `cache` from transformers 5.25,
+    `past_key_values` before. The forward takes `**kwargs`, so the wrong name is not an error:
+    the model would silently run without the cache."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return {name: cache}
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
 def _rebuild_rotary(model: Qwen3Model) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 LAYOUTS = ("rowwise", "blockwise")
 ACTIVATION_MATHS = ("exact", "fast")
+ACCUMULATIONS = ("fast", "exact")
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,21 @@ class FP8Config:
     torch's CUDA kernels do (libdevice expf/tanhf, IEEE division; the FP8 values bitwise those
     of the unfused graph). See :mod:`kopt.codegen.kernels.act_quant`."""
 
+    accumulate: str = "fast"
+    """How the rowwise FP8 GEMMs accumulate over K: ``fast`` in the tensor cores' own
+    accumulator for the whole K loop (``torch._scaled_mm(use_fast_accum=True)``, the recipe
+    torchao uses by default; kopt's GEMM template accumulates so too); ``exact``: each partial
+    product promoted into an fp32 accumulator (cuBLAS's default; the opt-in template passes
+    ``gemm_epilogue`` and ``triton_gemm`` then leave the GEMMs to cuBLAS). Either is checked in
+    the bounded tier against the fp64 product (the FP8 rounding of the operands dominates both).
+    The default is the one whose end-to-end output error and speed RESULTS.md records; the
+    ``blockwise`` layout's GEMM (cuBLAS's 1x128 x 128x128 recipe) accumulates exactly either
+    way."""
+
     def __post_init__(self) -> None:
+        if self.accumulate not in ACCUMULATIONS:
+            raise ValueError(f"unknown fp8 accumulate {self.accumulate!r}; valid: "
+                             f"{', '.join(ACCUMULATIONS)}")
         if self.activation_math not in ACTIVATION_MATHS:
             raise ValueError(f"unknown fp8 activation_math {self.activation_math!r}; valid: "
                              f"{', '.join(ACTIVATION_MATHS)}")

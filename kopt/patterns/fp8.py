@@ -75,7 +75,8 @@ def _ineligible(x: fx.Node, w: fx.Node, bias: fx.Node | None, consts: set[fx.Nod
     return None
 
 
-def to_fp8(gm: fx.GraphModule, match: Match, layout: str = "rowwise") -> None:
+def to_fp8(gm: fx.GraphModule, match: Match, layout: str = "rowwise",
+           accumulate: str = "fast") -> None:
     x, w, bias = match.bindings["x"], match.bindings["weight"], match.bindings["bias"]
     node = match.anchor
     g = gm.graph
@@ -91,7 +92,7 @@ def to_fp8(gm: fx.GraphModule, match: Match, layout: str = "rowwise") -> None:
         if layout == "blockwise":
             y = _blockwise(call, x, w, xv, n, k)
         else:
-            y = _rowwise(call, x, w, xv, n, k)
+            y = _rowwise(call, x, w, xv, n, k, fast=accumulate == "fast")
         if bias is not None:
             y = call(aten.add.Tensor, y, bias)
     y.meta["kopt_from"] = f"fp8({describe_node(node)})"
@@ -102,7 +103,7 @@ def to_fp8(gm: fx.GraphModule, match: Match, layout: str = "rowwise") -> None:
 
 
 def _rowwise(call, x: fx.Node, w: fx.Node,  # noqa: ANN001
-             xv: torch.Tensor, n: int, k: int) -> fx.Node:
+             xv: torch.Tensor, n: int, k: int, fast: bool) -> fx.Node:
     item = operator.getitem
     wq = call(QUANT, w)  # load time: folded
     w_t = call(aten.t.default, call(item, wq, 0))  # [K, N], column-major
@@ -110,7 +111,7 @@ def _rowwise(call, x: fx.Node, w: fx.Node,  # noqa: ANN001
     xq = _shared_quant(x, k, QUANT) or call(QUANT, call(aten.reshape.default, x, [-1, k]))
     # ^ per call: the node fusion passes pull into x's producer
     y = call(aten._scaled_mm.default, call(item, xq, 0), w_t, call(item, xq, 1), ws_t,
-             out_dtype=xv.dtype)
+             out_dtype=xv.dtype, **({"use_fast_accum": True} if fast else {}))
     return call(aten.reshape.default, y, [*xv.shape[:-1], n])
 
 
@@ -150,7 +151,7 @@ def fp8_linear(config: FP8Config) -> StructuralRewrite:
     return StructuralRewrite(
         name=NAME,
         matcher=find_fp8_linears(config),
-        applier=functools.partial(to_fp8, layout=config.layout),
+        applier=functools.partial(to_fp8, layout=config.layout, accumulate=config.accumulate),
         numerics=bounded("e4m3 operands with per-row scales: each GEMM within 2^-3 relative "
                          "error of its fp64 product", FP8_BOUND),
         benefit=5,

@@ -106,7 +106,7 @@ def find_gemm_epilogues(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
                                         "shape": list(yv.shape)})
 
 
-def _gemm_unsupported(gemm: fx.Node, fast_accum_ok: bool = False) -> str | None:
+def _gemm_unsupported(gemm: fx.Node) -> str | None:
     args = normalized_args(gemm)
     a, b, sa, sb = (args[k] for k in ("input", "mat2", "scale_a", "scale_b"))
     out_dtype = args["out_dtype"]
@@ -123,8 +123,9 @@ def _gemm_unsupported(gemm: fx.Node, fast_accum_ok: bool = False) -> str | None:
         return f"A is not row-major [M, K] (strides {tuple(av.stride())})"
     if tensor_meta(sa).shape != (av.shape[0], 1) or tensor_meta(sb).shape != (1, bv.shape[1]):
         return "scales are not rowwise ([M, 1] x [1, N])"
-    if args["use_fast_accum"] and not fast_accum_ok:
-        return "fast accumulation requested"
+    if not args["use_fast_accum"]:
+        return ("the GEMM accumulates exactly (FP8Config(accumulate='exact')); kopt's template "
+                "accumulates fast")
     return None
 
 
@@ -188,7 +189,7 @@ def find_template_gemms(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
     for gemm in gm.graph.nodes:
         if gemm.target is not GEMM:
             continue
-        reason = _gemm_unsupported(gemm, fast_accum_ok=True)
+        reason = _gemm_unsupported(gemm)
         if reason:
             yield Rejection(TEMPLATE_NAME, gemm.name, reason)
             continue

@@ -82,7 +82,7 @@ def test_full_size_model_on_a_small_machine_is_refused_with_numbers(capsys, monk
 def test_bench_prints_model_and_kopt_times(capsys) -> None:  # noqa: ANN001
     assert main(["optimize", "--model", "llm-tiny", "-q", "--bench", "5"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-3] == "time per call on cpu, median of 5:"
+    assert lines[-3] == "time per call on cpu, median of 5 (the rows timed in turn, call by call):"
     assert lines[-2].startswith("  model, eager: ") and "(1.000x" in lines[-2]
     assert lines[-1].startswith("  kopt, --cuda-graphs auto (CUDA graphs: off (the inputs are "
                                 "not on a CUDA device)): ")

@@ -170,3 +170,21 @@ def test_table_ratio_is_best_against_the_baselines_best(tmp_path) -> None:  # no
     rows["kopt-fp8"] |= {"graph_sm_mhz": 1440.0, "graph_power_w": 645.2}  # at the power cap
     write_outputs(rows, meta, tmp_path)
     assert "| 98.85 (1440 MHz, 645 W) | 197.70 |" in (tmp_path / "e2e.md").read_text()
+
+
+def test_the_fp8_lesson_gives_error_and_time_as_ratios_of_naive_fp8(tmp_path) -> None:  # noqa: ANN001
+    from benchmarks.e2e import fp8_lesson
+    from kopt.kb.store import KnowledgeBase
+
+    meta = {"fp8_layout": "rowwise", "fp8_accumulate": "fast", "fp8_activation_math": "fast",
+            "model": "qwen-image", "date": "2026-12-04"}
+    naive = {"rel_err_vs_eager": 0.1, "step_ms": 200.0, "graph_step_ms": 100.0,
+             "calls_per_step": 1}
+    fast = {"rel_err_vs_eager": 0.101, "step_ms": 150.0, "graph_step_ms": 80.0,
+            "calls_per_step": 1}
+    assert fp8_lesson({"naive-fp8-inductor": naive}, meta) is None
+    text = fp8_lesson({"naive-fp8-inductor": naive, "kopt-fp8, default arguments": fast}, meta)
+    assert "accumulate='fast'" in text and "1.010x naive FP8's" in text and "0.800x" in text
+    with KnowledgeBase.open(tmp_path / "kb.sqlite") as kb:
+        kb.add_lesson(text, ["numerics"], rewrite="fp8")
+        assert kb.lessons()[0].text == text

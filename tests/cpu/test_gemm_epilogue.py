@@ -111,7 +111,7 @@ class _ScaledMM(nn.Module):
         if self.change == "column-major A":
             a = a.t().contiguous().t()
         sa, sb = torch.ones(x.shape[0], 1), torch.ones(1, 48)
-        kw: dict = {"out_dtype": torch.bfloat16}
+        kw: dict = {"out_dtype": torch.bfloat16, "use_fast_accum": self.change != "exact"}
         if self.change == "scale_result":
             kw["scale_result"] = torch.tensor(2.0)
         if self.change == "tensorwise":
@@ -127,6 +127,8 @@ class _ScaledMM(nn.Module):
     ("tensorwise", "scales are not rowwise ([M, 1] x [1, N])"),
     ("column-major A", "A is not row-major [M, K] (strides (1, 16))"),
     ("fp8 out", "GEMM output dtype torch.float8_e4m3fn (kopt's GEMM writes bf16/fp16/fp32)"),
+    ("exact", "the GEMM accumulates exactly (FP8Config(accumulate='exact')); kopt's template "
+              "accumulates fast"),
 ])
 def test_triton_gemm_near_misses(change: str, why: str | None) -> None:
     x = torch.randn(16, 32)

@@ -264,3 +264,57 @@ def test_a_plan_that_differs_is_made_again_without_the_rewrite_at_fault(tiny, mo
     with torch.no_grad():
         flat, _ = flatten_inputs(w.args, w.kwargs)
         assert _same(plan.gm(*flat), opt.graph_module(*flat))
+
+
+class _Launcher36:
+    """The form of Triton 3.6's launcher: the kernel's arguments passed on one by one."""
+
+    def __init__(self) -> None:
+        self.launch = self._c
+        self.global_scratch_size = self.profile_scratch_size = 0
+        self.calls: list[tuple] = []
+
+    def _c(self, *a: object) -> None:
+        self.calls.append(a)
+
+    def __call__(self, gx, gy, gz, stream, function, *args):  # noqa: ANN001, ANN002, ANN204
+        self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+
+
+class _Launcher39(_Launcher36):
+    """The form of Triton 3.9's: hooks and metadata first, the kernel's arguments as a tuple."""
+
+    def __call__(self, gx, gy, gz, stream, function, meta, lmeta, enter, exit_, *args):  # noqa: ANN001, ANN002, ANN204
+        self.launch(gx, gy, gz, stream, function, False, False, meta, lmeta, enter, exit_,
+                    None, None, "annotations", "signature", args)
+
+
+@pytest.mark.parametrize("form", [_Launcher36, _Launcher39])
+def test_a_replayed_launch_calls_the_c_launcher_with_what_the_wrapper_would(form) -> None:  # noqa: ANN001
+    """The replay skips Triton's Python wrapper; what reaches the C function must not change."""
+    from types import SimpleNamespace
+
+    from kopt.codegen.launch import Noted, _launch_call
+
+    run = form()
+    compiled = SimpleNamespace(run=run, function=1234, packed_metadata=("m",))
+    n = Noted(compiled, (3, 1, 1), [7, 8, "c"])
+    g: dict = {}
+    line = _launch_call(g, 0, n, ["p0", "(p0 + 16)", "const0_2"])
+    assert line.startswith("launch0(")
+    g.update(p0=4096, const0_2="c", stream=77)
+    exec(f"p0 = 4096\n{line}", g)  # noqa: S102
+    run(3, 1, 1, 77, 1234, ("m",), None, None, None, 4096, 4112, "c")
+    assert len(run.calls) == 2 and run.calls[0] == run.calls[1]
+    assert run.launch == run._c  # the spy is gone
+
+
+def test_a_launcher_with_scratch_keeps_its_wrapper() -> None:
+    from types import SimpleNamespace
+
+    from kopt.codegen.launch import Noted, _launch_call
+
+    run = _Launcher36()
+    run.global_scratch_size = 128
+    n = Noted(SimpleNamespace(run=run, function=1, packed_metadata=None), (1, 1, 1), [5])
+    assert _launch_call({}, 0, n, ["5"]).startswith("run0(")

@@ -267,8 +267,8 @@ def _norm_rope_rows(
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, qb_ptr, kb_ptr, cos_ptr, sin_ptr,
+def _segment(
+    pid, q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, qb_ptr, kb_ptr, cos_ptr, sin_ptr,
     sqb, sqs, sqh, sqd, skb, sks, skh, skd,
     scb, scs, sch, scd, ssb, sss, ssh, ssd,
     S, HQ, HK, S_OUT, SEQ_OFF, eps, q_programs, n_q_rows, n_k_rows,
@@ -276,9 +276,7 @@ def _qk_norm_rope_kernel(
     NORM_CAST: tl.constexpr, ROPE_HALF: tl.constexpr, ROUND_EACH: tl.constexpr,
     HAS_QB: tl.constexpr, HAS_KB: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    """One program normalises and rotates BLOCK_R (token, head) rows of q or of k; the first
-    ``q_programs`` programs take q, the rest k. See the module docstring for the math."""
-    pid = tl.program_id(0)
+    """Program ``pid`` of one segment: the first ``q_programs`` take q, the rest k."""
     if pid < q_programs:
         _norm_rope_rows(q_ptr, qo_ptr, qw_ptr, qb_ptr, cos_ptr, sin_ptr,
                         sqb, sqs, sqh, sqd, scb, scs, sch, scd, ssb, sss, ssh, ssd,
@@ -291,6 +289,61 @@ def _qk_norm_rope_kernel(
                         pid - q_programs, n_k_rows, S, HK, S_OUT, SEQ_OFF, eps,
                         D, BLOCK_H, BLOCK_R, TDIV, NORM_CAST, ROPE_HALF, ROUND_EACH, HAS_KB,
                         NATIVE)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, qb_ptr, kb_ptr, cos_ptr, sin_ptr,
+    sqb, sqs, sqh, sqd, skb, sks, skh, skd,
+    scb, scs, sch, scd, ssb, sss, ssh, ssd,
+    S, HQ, HK, S_OUT, SEQ_OFF, eps, q_programs, n_q_rows, n_k_rows,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, TDIV: tl.constexpr,
+    NORM_CAST: tl.constexpr, ROPE_HALF: tl.constexpr, ROUND_EACH: tl.constexpr,
+    HAS_QB: tl.constexpr, HAS_KB: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """One program normalises and rotates BLOCK_R (token, head) rows of q or of k of one
+    segment. See the module docstring for the math."""
+    _segment(tl.program_id(0), q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, qb_ptr, kb_ptr,
+             cos_ptr, sin_ptr, sqb, sqs, sqh, sqd, skb, sks, skh, skd,
+             scb, scs, sch, scd, ssb, sss, ssh, ssd,
+             S, HQ, HK, S_OUT, SEQ_OFF, eps, q_programs, n_q_rows, n_k_rows,
+             D, BLOCK_H, BLOCK_R, TDIV, NORM_CAST, ROPE_HALF, ROUND_EACH, HAS_QB, HAS_KB, NATIVE)
+
+
+@triton.jit
+def _qk_norm_rope2_kernel(
+    q_ptr, k_ptr, qw_ptr, kw_ptr, qb_ptr, kb_ptr, cos_ptr, sin_ptr,
+    sqb, sqs, sqh, sqd, skb, sks, skh, skd,
+    scb, scs, sch, scd, ssb, sss, ssh, ssd,
+    S, SEQ_OFF, q_programs, n_q_rows, n_k_rows, programs,
+    q2_ptr, k2_ptr, qw2_ptr, kw2_ptr, qb2_ptr, kb2_ptr, cos2_ptr, sin2_ptr,
+    sqb2, sqs2, sqh2, sqd2, skb2, sks2, skh2, skd2,
+    scb2, scs2, sch2, scd2, ssb2, sss2, ssh2, ssd2,
+    S2, SEQ_OFF2, q_programs2, n_q_rows2, n_k_rows2,
+    qo_ptr, ko_ptr, HQ, HK, S_OUT, eps,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    TDIV: tl.constexpr, TDIV2: tl.constexpr, ROUND_EACH: tl.constexpr,
+    ROUND_EACH2: tl.constexpr, NORM_CAST: tl.constexpr, ROPE_HALF: tl.constexpr,
+    HAS_QB: tl.constexpr, HAS_KB: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """Two segments of the joint sequence (a DiT's text and image tokens) in one launch: the
+    first ``programs`` programs take the first segment, the rest the second; each as
+    :func:`_qk_norm_rope_kernel` would."""
+    pid = tl.program_id(0)
+    if pid < programs:
+        _segment(pid, q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, qb_ptr, kb_ptr,
+                 cos_ptr, sin_ptr, sqb, sqs, sqh, sqd, skb, sks, skh, skd,
+                 scb, scs, sch, scd, ssb, sss, ssh, ssd,
+                 S, HQ, HK, S_OUT, SEQ_OFF, eps, q_programs, n_q_rows, n_k_rows,
+                 D, BLOCK_H, BLOCK_R, TDIV, NORM_CAST, ROPE_HALF, ROUND_EACH, HAS_QB, HAS_KB,
+                 NATIVE)
+    else:
+        _segment(pid - programs, q2_ptr, k2_ptr, qo_ptr, ko_ptr, qw2_ptr, kw2_ptr, qb2_ptr,
+                 kb2_ptr, cos2_ptr, sin2_ptr, sqb2, sqs2, sqh2, sqd2, skb2, sks2, skh2, skd2,
+                 scb2, scs2, sch2, scd2, ssb2, sss2, ssh2, ssd2,
+                 S2, HQ, HK, S_OUT, SEQ_OFF2, eps, q_programs2, n_q_rows2, n_k_rows2,
+                 D, BLOCK_H, BLOCK_R, TDIV2, NORM_CAST, ROPE_HALF, ROUND_EACH2, HAS_QB, HAS_KB,
+                 NATIVE)
 
 
 def native(kernel: object, x: torch.Tensor) -> bool:
@@ -391,33 +444,41 @@ def qk_norm_rope_triton(
     q_out = torch.empty((b, s_out, hq, d), dtype=dtype, device=device)
     k_out = torch.empty((b, s_out, hk, d), dtype=dtype, device=device)
     cfg = _config(d)
-    offset = 0
     qbs = [b.contiguous() for b in q_bias] if q_bias else [None] * len(q)
     kbs = [b.contiguous() for b in k_bias] if k_bias else [None] * len(q)
+    segments = []  # the kernel's arguments and constexprs of each segment with tokens
+    offset = 0
     for qs, ks, qw, kw, qb, kb, c, sn in zip(q, k, q_weight, k_weight, qbs, kbs, cos, sin,
                                              strict=True):
         seq = qs.shape[1]
-        if seq == 0 or b == 0:
-            continue
-        round_each = torch.promote_types(dtype, c.dtype) == dtype and dtype != torch.float32
-        n_q, n_k = b * seq * hq, b * seq * hk
-        q_programs = triton.cdiv(n_q, cfg["BLOCK_R"])
-        grid = (q_programs + triton.cdiv(n_k, cfg["BLOCK_R"]),)
-        with on_device(qs):
-            launch(_qk_norm_rope_kernel, grid,
-                qs, ks, q_out, k_out, qw, kw, qb if qb is not None else qw,
-                kb if kb is not None else kw, c, sn,
-                *qs.stride(), *ks.stride(), *_broadcast_strides(c), *_broadcast_strides(sn),
-                seq, hq, hk, s_out, offset, float(eps), q_programs, n_q, n_k,
-                D=d, BLOCK_H=cfg["BLOCK_H"], BLOCK_R=cfg["BLOCK_R"], TDIV=d // c.shape[3],
-                NORM_CAST=norm == "cast", ROPE_HALF=rope == "half",
-                ROUND_EACH=bool(round_each and rope != "complex"),
-                HAS_QB=qb is not None, HAS_KB=kb is not None,
-                NATIVE=native(_qk_norm_rope_kernel, qs), num_warps=cfg["num_warps"],
-                # Eager runs x*cos, rot*sin and their sum as separate kernels: no fma.
-                enable_fp_fusion=False,
-            )
+        if seq and b:
+            round_each = torch.promote_types(dtype, c.dtype) == dtype and dtype != torch.float32
+            n_q, n_k = b * seq * hq, b * seq * hk
+            q_programs = triton.cdiv(n_q, cfg["BLOCK_R"])
+            programs = q_programs + triton.cdiv(n_k, cfg["BLOCK_R"])
+            segments.append((
+                [qs, ks, qw, kw, qb if qb is not None else qw, kb if kb is not None else kw,
+                 c, sn, *qs.stride(), *ks.stride(), *_broadcast_strides(c),
+                 *_broadcast_strides(sn), seq, offset, q_programs, n_q, n_k],
+                programs, d // c.shape[3], bool(round_each and rope != "complex")))
         offset += seq
+    common = dict(D=d, BLOCK_H=cfg["BLOCK_H"], BLOCK_R=cfg["BLOCK_R"],
+                  NORM_CAST=norm == "cast", ROPE_HALF=rope == "half",
+                  HAS_QB=bool(q_bias), HAS_KB=bool(k_bias),
+                  NATIVE=native(_qk_norm_rope_kernel, q[0]), num_warps=cfg["num_warps"],
+                  # Eager runs x*cos, rot*sin and their sum as separate kernels: no fma.
+                  enable_fp_fusion=False)
+    with on_device(q[0]):
+        if len(segments) == 2:  # a joint sequence of two parts: one launch
+            (a, pa, ta, ra), (b2, pb, tb, rb) = segments
+            launch(_qk_norm_rope2_kernel, (pa + pb,), *a, pa, *b2, q_out, k_out, hq, hk, s_out,
+                   float(eps), TDIV=ta, TDIV2=tb, ROUND_EACH=ra, ROUND_EACH2=rb, **common)
+        else:
+            for args, programs, tdiv, round_each in segments:
+                seg = args[:8]
+                launch(_qk_norm_rope_kernel, (programs,), seg[0], seg[1], q_out, k_out,
+                       *seg[2:], *args[8:24], args[24], hq, hk, s_out, args[25], float(eps),
+                       *args[26:], TDIV=tdiv, ROUND_EACH=round_each, **common)
     return q_out, k_out
 
 
