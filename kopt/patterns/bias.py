@@ -68,6 +68,11 @@ def _why_not(gemm: fx.Node, reshape: fx.Node | None, bias: fx.Node,
     out, b = tensor_meta(gemm), tensor_meta(bias)
     if b.dtype != out.dtype:
         return f"bias dtype {b.dtype} differs from the GEMM output's {out.dtype}"
+    if out.dtype == torch.float32 and out.device.type == "cuda":
+        # cuBLAS's FP8 GEMM takes no bias with a float32 output ("Bias is not supported when
+        # out_dtype is set to Float32"): an fp32 layer (a time embedding kept in fp32) keeps
+        # its add.
+        return "the GEMM writes float32, where cuBLAS's FP8 GEMM adds no bias"
     return None
 
 

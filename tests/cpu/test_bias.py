@@ -106,3 +106,24 @@ def test_a_split_across_tokens_keeps_the_add_and_says_why() -> None:
     result = opt.report.result("absorb_bias")
     assert result.matched == 0
     assert result.rejected == {"the split after the bias add is along dim 1, not the features": 1}
+
+
+def test_a_float32_fp8_gemm_on_cuda_keeps_its_bias_add(monkeypatch) -> None:  # noqa: ANN001
+    """cuBLAS's FP8 GEMM takes no bias with a float32 output: the guard reads the GEMM's
+    device and dtype from the graph's metadata (stood in for here: this machine has no GPU)."""
+    from types import SimpleNamespace
+
+    from kopt.patterns import bias as bias_mod
+
+    class Node(SimpleNamespace):
+        __hash__ = object.__hash__
+
+    device = {"gemm": "cpu"}
+    monkeypatch.setattr(bias_mod, "tensor_meta", lambda n: SimpleNamespace(
+        dtype=torch.float32, device=torch.device(device[n.name] if n.name in device else "cpu")))
+    gemm = Node(name="gemm", users=[None], args=(), kwargs={})
+    bias = Node(name="bias", users=[None], args=(), kwargs={})
+    assert bias_mod._why_not(gemm, None, bias, {bias}) is None  # on the CPU it takes the bias
+    device["gemm"] = "cuda"
+    assert bias_mod._why_not(gemm, None, bias, {bias}) == \
+        "the GEMM writes float32, where cuBLAS's FP8 GEMM adds no bias"

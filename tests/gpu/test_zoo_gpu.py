@@ -1,7 +1,7 @@
 """kopt on the zoo's models (kopt.models.zoo: DiTs and LLMs nobody tuned it for) on CUDA in
 bf16, with and without FP8: every pass verifies (its Triton kernels at shapes of models it was
 not written against), nothing is reverted, and the output stays within the tier of the
-model's own bf16 output."""
+model's own bf16 output (with FP8: within a tenth of the FP8 recipe's own error)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ def test_zoo_model_on_cuda(name: str, fp8: bool) -> None:
     ref = main_output(run_fp64(capture_module(w.model, w.args, w.kwargs).gm, flat))
     eager = relative_error(w.run(), ref)
     if fp8:
-        assert relative_error(got, ref) < 0.25, str(report)  # the FP8 recipe's error
+        # the FP8 recipe alone (the fp8 pass, nothing else) sets the error; the fusions,
+        # each verified in its tier, add at most a tenth to it end to end
+        alone = kopt.PassConfig().replace(**{p: False for p in kopt.PassConfig().enabled()},
+                                          fp8=config.fp8)
+        recipe = kopt.optimize(w.model, w.args, w.kwargs, alone,
+                               verify=kopt.VerifyOptions(enabled=False), cuda_graphs=False)
+        recipe_error = relative_error(w.run(recipe), ref)
+        assert relative_error(got, ref) <= 1.1 * recipe_error, str(report)
     else:
         assert relative_error(got, ref) <= 2 * max(eager, RTOL_FLOOR[torch.bfloat16])
