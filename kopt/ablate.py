@@ -356,7 +356,21 @@ def variants(config: PassConfig, order: Sequence[str], kinds: Sequence[str] = KI
             out.append(Variant("all", "all", on, config))
         out += [Variant(f"all - {p}", "leave-one-out", tuple(q for q in on if q != p),
                         config.replace(**{p: _off(p)}), p) for p in on]
+        if "fp8" in on:  # its levers are ablated with it
+            out += [Variant(f"all - {name}", "leave-one-out", on, other, name)
+                    for name, other in levers(config)]
     return out
+
+
+def levers(config: PassConfig) -> list[tuple[str, PassConfig]]:
+    """The configuration choices of ``config`` ablated as rows of their own, each ``(name,
+    config with it at its other setting)``: FP8 GEMMs accumulating fast (``accumulate=fast``,
+    left out: exact), named as :meth:`kopt.cost.CostModel.levers` prices them."""
+    fp8 = config.fp8
+    if fp8 is not None and fp8.layout == "rowwise" and fp8.accumulate == "fast":
+        return [("accumulate=fast",
+                 config.replace(fp8=dataclasses.replace(fp8, accumulate="exact")))]
+    return []
 
 
 def baseline_config(config: PassConfig, passes: Sequence[str] | None = None) -> PassConfig:

@@ -5,10 +5,11 @@ call of a fused op can be *recorded*: which compiled kernels it launched, on whi
 which arguments. A :class:`DirectOp` records its op's first call and from then on replays it: it
 allocates the outputs (and any scratch buffer) the call allocated, computes each pointer
 argument as a source tensor's address plus the offset it had, and calls each compiled kernel's
-launcher with the recorded scalars and constexprs. That skips the dispatcher, the op's Python
-checks and planning, and Triton's argument binding and specialisation, which together cost
-the host 78-297 us per call where the replay costs a tenth to a quarter of that (RESULTS.md,
-2026-12-04, H200; ``benchmarks/host_cost.py``).
+C launcher with the recorded scalars and constexprs. That skips the dispatcher, the op's Python
+checks and planning, Triton's argument binding and specialisation and its Python launcher
+object, and allocates through PyTorch's dispatcher-free allocator: the replay costs the host
+about what a ``torch.add`` does, several times less than the op's call through the dispatcher
+(``benchmarks/host_cost.py``; RESULTS.md).
 
 A call can be replayed only if its launches are a function of what the replay keeps fixed:
 the op's constant arguments and its tensors' shapes, strides, dtypes and devices. The caller

@@ -49,7 +49,13 @@ from torch import fx
 
 from kopt.bench import median_ms
 from kopt.cost.counts import OpCount, count_graph
-from kopt.cost.device import EPILOGUE_SLOWDOWN, DeviceModel, Prediction
+from kopt.cost.device import (
+    EPILOGUE_SLOWDOWN,
+    FAST_ACCUM_SPEEDUP,
+    DeviceModel,
+    Prediction,
+    layout_factor,
+)
 from kopt.graph.regions import cached_regions
 from kopt.power import ClockSampler, read_power_limit
 from kopt.profile import Attribution, NodeCost, host_times, profile_graph, try_profile_replay
@@ -234,7 +240,9 @@ def fit_counted(pairs: Sequence[Counted], base: DeviceModel | None = None, *,
                 a[r, index["view", ""]] = 1 / 1e3
                 continue
             k = group[samples[i].count.op]
-            a[r, index["eff", k]] = roof[i]
+            # the group's rate, at which a GEMM of a slower or faster layout runs its factor
+            # apart (as DeviceModel.efficiency_of costs it)
+            a[r, index["eff", k]] = roof[i] * layout_factor(samples[i].count)
             if ("fixed", k) in index:
                 a[r, index["fixed", k]] = launches[i] / 1e3
             else:
@@ -379,11 +387,24 @@ def _unmeasured_rates(base: DeviceModel, samples: Sequence[_Sample], roof: Seque
 
 
 def _epilogue_rates(fitted: Mapping[str, float]) -> dict[str, float]:
-    """The rate of a GEMM without a bias epilogue from its biased kernels' where the trace had
-    only those (W1: every linear has a bias); the other way round
-    :meth:`DeviceModel.efficiency_of` applies :data:`EPILOGUE_SLOWDOWN` itself."""
-    return {op: fitted[f"{op}[bias]"] * slowdown for op, slowdown in EPILOGUE_SLOWDOWN.items()
-            if f"{op}[bias]" in fitted and op not in fitted}
+    """The rate of a plain GEMM (no bias epilogue, exact accumulation) from its kernels' of
+    another layout where the trace had only those (W1: every linear has a bias; by default
+    every FP8 GEMM accumulates fast); the other way round :meth:`DeviceModel.efficiency_of`
+    applies :data:`EPILOGUE_SLOWDOWN` and :data:`FAST_ACCUM_SPEEDUP` itself."""
+    out: dict[str, float] = {}
+    for op in sorted(set(EPILOGUE_SLOWDOWN) | set(FAST_ACCUM_SPEEDUP)):
+        if op in fitted:
+            continue
+        for layout in ("bias", "fast", "bias,fast"):
+            if f"{op}[{layout}]" in fitted:
+                rate = fitted[f"{op}[{layout}]"]
+                if "bias" in layout:
+                    rate *= EPILOGUE_SLOWDOWN.get(op, 1.0)
+                if "fast" in layout:
+                    rate /= FAST_ACCUM_SPEEDUP.get(op, 1.0)
+                out[op] = rate
+                break
+    return out
 
 
 def _layout_priors(base: DeviceModel | None, fitted: Mapping[str, float]) -> dict[str, float]:

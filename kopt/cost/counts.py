@@ -76,7 +76,7 @@ class OpCount:
     kernel: bool  # False for views: no launch, no bytes
     cached: str | None = None  # in a hoisted region keyed on "step" or "static" inputs
     dispatched: bool = True  # an aten/kopt op (False: Python such as operator.getitem)
-    layout: str = ""  # "broadcast", "strided" (element-wise operands), "bias" (see layout)
+    layout: str = ""  # "broadcast", "strided" (element-wise operands), "bias,fast" (see layout)
     # a hoisted region's trailing view, which a CUDA graph's replay computes instead of the
     # eager prelude (kopt.graph.regions.trailing_views)
     replayed: bool = False
@@ -202,12 +202,15 @@ def layout(node: fx.Node) -> str:
     add over a whole activation runs at 0.39 of the copy bandwidth, a plain add at 1.08. Read
     from the traced tensors, so the class holds for every size of a symbolic graph.
 
-    And ``bias`` for an FP8 GEMM that adds a bias in its epilogue (cuBLAS's bias kernels are
-    3% slower: :data:`kopt.cost.device.EPILOGUE_SLOWDOWN`)."""
+    And for an FP8 GEMM, ``bias`` where it adds a bias in its epilogue (cuBLAS's bias kernels
+    are slower: :data:`kopt.cost.device.EPILOGUE_SLOWDOWN`) and ``fast`` where it accumulates
+    fast (``use_fast_accum``: :data:`kopt.cost.device.FAST_ACCUM_SPEEDUP`), both as
+    ``bias,fast``."""
     target = node.target
     if target is torch.ops.aten._scaled_mm.default:
         bias = node.args[4] if len(node.args) > 4 else node.kwargs.get("bias")
-        return "bias" if bias is not None else ""
+        fast = node.args[7] if len(node.args) > 7 else node.kwargs.get("use_fast_accum", False)
+        return ",".join(p for p, on in (("bias", bias is not None), ("fast", fast)) if on)
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" \
             or op_category(qualified_name(target)) != "elementwise":
         return ""

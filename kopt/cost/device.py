@@ -70,6 +70,22 @@ class Prediction:
 # saves was overpredicted by the whole epilogue's cost.
 EPILOGUE_SLOWDOWN: dict[str, float] = {"aten::_scaled_mm": 1.033}
 
+# Time of an FP8 GEMM accumulating exactly over the same GEMM accumulating fast (rate key
+# ``op[fast]``: ``torch._scaled_mm(use_fast_accum=True)``, ``FP8Config(accumulate="fast")``).
+# H200, W1's FP8 GEMMs replayed from a CUDA graph: 51.00 ms a forward exact, 44.38 fast (two
+# runs of benchmarks/e2e.py, RESULTS.md, 2026-12-04); W2, at the power cap, 203.15 / 188.88.
+FAST_ACCUM_SPEEDUP: dict[str, float] = {"aten::_scaled_mm": 51.00 / 44.38}
+
+
+def layout_factor(c: OpCount) -> float:
+    """Time of ``c``'s kernel over its op's at the op's rate, for a GEMM whose layout runs at
+    another speed (a bias epilogue, fast accumulation); 1 for every other op."""
+    layout = c.layout.split(",")
+    factor = EPILOGUE_SLOWDOWN.get(c.op, 1.0) if "bias" in layout else 1.0
+    if "fast" in layout:
+        factor /= FAST_ACCUM_SPEEDUP.get(c.op, 1.0)
+    return factor
+
 
 @dataclass(frozen=True)
 class DeviceModel:
@@ -146,13 +162,15 @@ class DeviceModel:
     def efficiency_of(self, c: OpCount) -> float:
         """By op, operand layout and element type (``aten::add[broadcast]@bfloat16``), else
         op and layout (``aten::add[broadcast]``), else op, else category, else
-        ``*`` (every other kernel), else 1. A GEMM with a bias epilogue (``[bias]``) without a
-        rate of its own runs :data:`EPILOGUE_SLOWDOWN` slower than its op's rate."""
+        ``*`` (every other kernel), else 1. A GEMM without a rate of its own layout runs at its
+        op's rate, :data:`EPILOGUE_SLOWDOWN` slower with a bias epilogue (``[bias]``) and
+        :data:`FAST_ACCUM_SPEEDUP` faster accumulating fast (``[fast]``)."""
         for key in (c.dtype_key, c.rate_key, c.op, c.category, "*"):
             if key in self.efficiency:
-                slowdown = EPILOGUE_SLOWDOWN.get(c.op, 1.0) if (
-                    c.layout == "bias" and key != c.rate_key) else 1.0
-                return self.efficiency[key] / slowdown
+                rate = self.efficiency[key]
+                if key not in (c.dtype_key, c.rate_key):
+                    rate /= layout_factor(c)
+                return rate
         return 1.0
 
     def fixed_of(self, c: OpCount) -> float:

@@ -13,7 +13,7 @@ costs nothing per call; the fold pass itself is judged with those subgraphs stil
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import fx
 
@@ -99,7 +99,27 @@ class CostModel:
     def ranking(self, captured: fx.GraphModule, final: fx.GraphModule,
                 passes: Sequence[PassPrediction]) -> Ranking:
         return Ranking(self.device.name, self.mode, self.graph(captured).total_ms,
-                       self.graph(final).total_ms, tuple(passes))
+                       self.graph(final).total_ms, tuple(passes), self.levers(final))
+
+    def levers(self, final: fx.GraphModule) -> tuple[PassPrediction, ...]:
+        """What the configuration levers the optimized graph uses are predicted to save: each
+        a :class:`PassPrediction` of the graph with the lever at its other setting (before)
+        and as it is (after). FP8 GEMMs accumulating fast (``FP8Config(accumulate="fast")``)
+        against the same GEMMs accumulating exactly."""
+        counts = count_graph(final)
+        fast = [i for i, c in enumerate(counts) if "fast" in c.layout.split(",")]
+        if not fast:
+            return ()
+        exact = list(counts)
+        for i in fast:
+            layout = ",".join(p for p in counts[i].layout.split(",") if p != "fast")
+            exact[i] = replace(counts[i], layout=layout)
+        before, after = self.predict(exact), self.predict(counts)
+        saved = before.total_ms - after.total_ms
+        return (PassPrediction("accumulate=fast", len(fast), before, after, True,
+                               f"predicted to save {saved:.4g} ms per call against "
+                               f"accumulate='exact' ({len(fast)} FP8 GEMMs, {self.device.name}, "
+                               f"{self.mode})"),)
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,7 @@ class Ranking:
     baseline_ms: float  # the captured graph, everything per call
     final_ms: float  # the optimized graph
     passes: tuple[PassPrediction, ...]
+    levers: tuple[PassPrediction, ...] = ()  # configuration levers (CostModel.levers)
 
     def ranked(self) -> list[PassPrediction]:
         """Most predicted time saved first; passes with nothing to rewrite last."""
@@ -141,4 +162,8 @@ class Ranking:
             decision = ("applied" if p.applied else "skipped") if p.sites else "-"
             lines.append(f"  {i:2d} {p.name:20s} {p.sites:5d} {p.saved_ms:10.4g} {share:6.1%}"
                          f"{extra}  {decision}: {p.reason}")
+        for p in self.levers:
+            share = p.saved_ms / self.baseline_ms if self.baseline_ms else 0.0
+            lines.append(f"  {'-':>2s} {p.name:20s} {p.sites:5d} {p.saved_ms:10.4g} {share:6.1%}"
+                         f"{' ' * 15 * len(others)}  lever: {p.reason}")
         return "\n".join(lines)

@@ -39,8 +39,13 @@ def test_variants_flip_one_field_at_a_time() -> None:
     order = ("rowwise_fusion", "fp8", "cse")  # the rest follow in pipeline order
     rows = variants(config, order)
     kinds = [v.kind for v in rows]
+    # every pass left out once, and the fast FP8 accumulation (a lever, not a pass)
     assert kinds == ["baseline"] + ["alone"] * len(on) + ["cumulative"] * len(on) + [
-        "leave-one-out"] * len(on)
+        "leave-one-out"] * (len(on) + 1)
+    lever = rows[-1]
+    assert lever.name == "all - accumulate=fast" and lever.subject == "accumulate=fast"
+    assert lever.passes == on and lever.config.fp8.accumulate == "exact"
+    assert lever.config.replace(fp8=config.fp8) == config
     base = rows[0].config
     assert base.enabled() == () and base.fp8 is None and base.hoist is False
     alone = [v for v in rows if v.kind == "alone"]
@@ -52,14 +57,16 @@ def test_variants_flip_one_field_at_a_time() -> None:
     assert cumulative[-1].config == config
     for a, b in zip(cumulative, cumulative[1:], strict=False):
         assert set(b.config.enabled()) - set(a.config.enabled()) == {b.name[2:]}
-    for v in (v for v in rows if v.kind == "leave-one-out"):
+    for v in (v for v in rows if v.kind == "leave-one-out" and v is not lever):
         missing = set(on) - set(v.config.enabled())
         assert missing == {v.name.removeprefix("all - ")}
     assert [v.kind for v in variants(config, order, kinds=("alone",))] == [
         "baseline"] + ["alone"] * len(on)
     # leave-one-out alone still measures the row every pass is left out of
     loo = variants(config, order, kinds=("leave-one-out",))
-    assert [v.kind for v in loo] == ["baseline", "all"] + ["leave-one-out"] * len(on)
+    assert [v.kind for v in loo] == ["baseline", "all"] + ["leave-one-out"] * (len(on) + 1)
+    exact = config.replace(fp8=FP8Config(accumulate="exact"))  # no lever left to ablate
+    assert len(variants(exact, order, kinds=("leave-one-out",))) == 2 + len(on)
     assert loo[1].config == config
 
 

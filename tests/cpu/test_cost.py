@@ -971,3 +971,61 @@ def test_kernels_per_op_is_the_mean_over_the_ops_nodes() -> None:
     model = H200.with_(kernels_per_op=per_op)
     assert sum(model.launches(s.count) for s in nodes) == pytest.approx(
         sum(s.cost.calls for s in nodes))
+
+
+def test_a_gemm_accumulating_fast_is_costed_faster_and_both_levers_combine() -> None:
+    """FP8Config(accumulate=...) is a lever the cost model sees: a GEMM with use_fast_accum
+    has its own rate key, runs FAST_ACCUM_SPEEDUP faster than the op's rate where it has no
+    rate of its own, with a bias epilogue both factors apply, and a trace of fast GEMMs only
+    gives the exact GEMM its rate back."""
+    from kopt.cost.calibrate import _epilogue_rates
+    from kopt.cost.counts import count_node
+    from kopt.cost.device import EPILOGUE_SLOWDOWN, FAST_ACCUM_SPEEDUP
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    a, w, sa, sw, b = (g.placeholder(n) for n in ("a", "w", "sa", "sw", "b"))
+    a.meta["val"] = torch.empty(64, 128, device="meta", dtype=torch.float8_e4m3fn)
+    w.meta["val"] = torch.empty(128, 256, device="meta", dtype=torch.float8_e4m3fn)
+    sa.meta["val"], sw.meta["val"] = (torch.empty(64, 1, device="meta"),
+                                      torch.empty(1, 256, device="meta"))
+    b.meta["val"] = torch.empty(256, device="meta", dtype=torch.bfloat16)
+    exact = g.call_function(aten._scaled_mm.default, (a, w, sa, sw), {"out_dtype": torch.bfloat16})
+    fast = g.call_function(aten._scaled_mm.default, (a, w, sa, sw),
+                           {"out_dtype": torch.bfloat16, "use_fast_accum": True})
+    both = g.call_function(aten._scaled_mm.default, (a, w, sa, sw, b, None, torch.bfloat16, True))
+    for n in (exact, fast, both):
+        n.meta["val"] = torch.empty(64, 256, device="meta", dtype=torch.bfloat16)
+    ce, cf, cb = count_node(exact), count_node(fast), count_node(both)
+    assert (ce.rate_key, cf.rate_key, cb.rate_key) == (
+        "aten::_scaled_mm", "aten::_scaled_mm[fast]", "aten::_scaled_mm[bias,fast]")
+    speedup = FAST_ACCUM_SPEEDUP["aten::_scaled_mm"]
+    slowdown = EPILOGUE_SLOWDOWN["aten::_scaled_mm"]
+    assert speedup > 1
+    model = H200.with_(efficiency={"aten::_scaled_mm": 0.7}, fixed_us={}, kernel_us=0.0)
+    assert model.efficiency_of(cf) == pytest.approx(0.7 * speedup)
+    assert model.efficiency_of(cb) == pytest.approx(0.7 * speedup / slowdown)
+    assert model.kernel_ms(ce) / model.kernel_ms(cf) == pytest.approx(speedup)
+    own = model.with_(efficiency={"aten::_scaled_mm": 0.7, "aten::_scaled_mm[fast]": 0.75})
+    assert own.efficiency_of(cf) == 0.75  # a measured rate is kept
+    assert _epilogue_rates({"aten::_scaled_mm[fast]": 0.8}) == {
+        "aten::_scaled_mm": pytest.approx(0.8 / speedup)}
+    assert _epilogue_rates({"aten::_scaled_mm[bias,fast]": 0.8}) == {
+        "aten::_scaled_mm": pytest.approx(0.8 * slowdown / speedup)}
+
+
+def test_the_ranking_prices_fast_accumulation_as_a_lever() -> None:
+    """The optimized graph's FP8 GEMMs accumulate fast by default: the ranking says what that
+    is predicted to save against exact accumulation; with accumulate='exact' there is no such
+    lever to price (a device where FP8 wins at 256 tokens: the gate keeps the fp8 pass)."""
+    cost = CostModel(SLOW_FP32.with_(efficiency={"aten::_scaled_mm": 0.7}))
+    w = build("llm-tiny", seq_len=256)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8, verify=OFF, cost=cost)
+    fast = opt.report.ranking
+    (lever,) = fast.levers
+    gemms = sum("fast" in c.layout.split(",") for c in count_graph(opt.graph_module))
+    assert lever.name == "accumulate=fast" and lever.sites == gemms > 0
+    assert lever.saved_ms > 0 and "lever: predicted to save" in fast.format()
+    exact = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16, accumulate="exact"))
+    assert kopt.optimize(w.model, w.args, w.kwargs, exact, verify=OFF,
+                         cost=cost).report.ranking.levers == ()

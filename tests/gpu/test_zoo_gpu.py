@@ -13,6 +13,7 @@ from kopt.capture import capture_module, flatten_inputs
 from kopt.models import main_output
 from kopt.models.zoo import ZOO, build
 from kopt.verify import RTOL_FLOOR, relative_error, run_fp64
+from tests.zoo_errors import fp8_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -33,11 +34,7 @@ def test_zoo_model_on_cuda(name: str, fp8: bool) -> None:
     if fp8:
         # the FP8 recipe alone (the fp8 pass, nothing else) sets the error; the fusions,
         # each verified in its tier, add at most a tenth to it end to end
-        alone = kopt.PassConfig().replace(**{p: False for p in kopt.PassConfig().enabled()},
-                                          fp8=config.fp8)
-        recipe = kopt.optimize(w.model, w.args, w.kwargs, alone,
-                               verify=kopt.VerifyOptions(enabled=False), cuda_graphs=False)
-        recipe_error = relative_error(w.run(recipe), ref)
-        assert relative_error(got, ref) <= 1.1 * recipe_error, str(report)
+        kopt_error, recipe_error = fp8_errors(w, opt, config.fp8)
+        assert kopt_error <= 1.1 * recipe_error, str(report)
     else:
         assert relative_error(got, ref) <= 2 * max(eager, RTOL_FLOOR[torch.bfloat16])
