@@ -731,6 +731,19 @@ def test_a_layout_the_trace_lacks_keeps_the_base_models_rate() -> None:
     assert fitted.efficiency_of(counts[-1]) == pytest.approx(0.4, rel=1e-3)  # measured, kept
 
 
+def _fp8_gemm_operands() -> tuple[fx.Graph, tuple[fx.Node, ...]]:
+    """A graph with the placeholders of a [64, 128] x [128, 256] rowwise FP8 GEMM and its bf16
+    bias, their values on the meta device."""
+    g = fx.Graph()
+    a, w, sa, sw, b = (g.placeholder(n) for n in ("a", "w", "sa", "sw", "b"))
+    a.meta["val"] = torch.empty(64, 128, device="meta", dtype=torch.float8_e4m3fn)
+    w.meta["val"] = torch.empty(128, 256, device="meta", dtype=torch.float8_e4m3fn)
+    sa.meta["val"], sw.meta["val"] = (torch.empty(64, 1, device="meta"),
+                                      torch.empty(1, 256, device="meta"))
+    b.meta["val"] = torch.empty(256, device="meta", dtype=torch.bfloat16)
+    return g, (a, w, sa, sw, b)
+
+
 def test_a_gemm_with_a_bias_epilogue_is_costed_slower_than_without() -> None:
     """What absorb_bias saves is the bias add less the epilogue it adds to the GEMM: a biased
     FP8 GEMM is counted as such, costed EPILOGUE_SLOWDOWN slower than the op's rate where it
@@ -741,13 +754,7 @@ def test_a_gemm_with_a_bias_epilogue_is_costed_slower_than_without() -> None:
     from kopt.cost.device import EPILOGUE_SLOWDOWN
 
     aten = torch.ops.aten
-    g = fx.Graph()
-    a, w, sa, sw, b = (g.placeholder(n) for n in ("a", "w", "sa", "sw", "b"))
-    a.meta["val"] = torch.empty(64, 128, device="meta", dtype=torch.float8_e4m3fn)
-    w.meta["val"] = torch.empty(128, 256, device="meta", dtype=torch.float8_e4m3fn)
-    sa.meta["val"], sw.meta["val"] = (torch.empty(64, 1, device="meta"),
-                                      torch.empty(1, 256, device="meta"))
-    b.meta["val"] = torch.empty(256, device="meta", dtype=torch.bfloat16)
+    g, (a, w, sa, sw, b) = _fp8_gemm_operands()
     kw = {"out_dtype": torch.bfloat16}
     plain = g.call_function(aten._scaled_mm.default, (a, w, sa, sw), kw)
     biased = g.call_function(aten._scaled_mm.default, (a, w, sa, sw, b), kw)
@@ -983,13 +990,7 @@ def test_a_gemm_accumulating_fast_is_costed_faster_and_both_levers_combine() -> 
     from kopt.cost.device import EPILOGUE_SLOWDOWN, FAST_ACCUM_SPEEDUP
 
     aten = torch.ops.aten
-    g = fx.Graph()
-    a, w, sa, sw, b = (g.placeholder(n) for n in ("a", "w", "sa", "sw", "b"))
-    a.meta["val"] = torch.empty(64, 128, device="meta", dtype=torch.float8_e4m3fn)
-    w.meta["val"] = torch.empty(128, 256, device="meta", dtype=torch.float8_e4m3fn)
-    sa.meta["val"], sw.meta["val"] = (torch.empty(64, 1, device="meta"),
-                                      torch.empty(1, 256, device="meta"))
-    b.meta["val"] = torch.empty(256, device="meta", dtype=torch.bfloat16)
+    g, (a, w, sa, sw, b) = _fp8_gemm_operands()
     exact = g.call_function(aten._scaled_mm.default, (a, w, sa, sw), {"out_dtype": torch.bfloat16})
     fast = g.call_function(aten._scaled_mm.default, (a, w, sa, sw),
                            {"out_dtype": torch.bfloat16, "use_fast_accum": True})
