@@ -2,9 +2,10 @@
 weights, no GPU): what an ablation row's build and a user's ``kopt.optimize`` pay before any
 kernel runs.
 
-    python -m benchmarks.probes.optimize_time --model qwen-image --fp8 [--profile N]
+    python -m benchmarks.probes.optimize_time --model qwen-image --fp8 [--split] [--profile N]
 
 Prints the capture's and the optimization's seconds, the rewrites applied and the nodes left;
+``--split`` first times the capture's steps apart (export, decompositions, the module);
 ``--profile N`` adds cProfile's N most expensive calls (cumulative) of the optimization.
 """
 
@@ -29,8 +30,21 @@ def main() -> None:
     p.add_argument("--model", default="qwen-image")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--split", action="store_true", help="also time the capture's steps apart")
     args = p.parse_args()
     w = build(args.model, device="meta", dtype=torch.bfloat16)
+    if args.split:  # the capture's three steps, timed apart
+        s0 = time.perf_counter()
+        ep = torch.export.export(w.model, tuple(w.args), dict(sorted(w.kwargs.items())),
+                                 strict=False)
+        s1 = time.perf_counter()
+        ep = ep.run_decompositions({})
+        s2 = time.perf_counter()
+        ep.module()
+        s3 = time.perf_counter()
+        print(f"{w.name}: torch.export.export {s1 - s0:.1f} s, run_decompositions {s2 - s1:.1f} "
+              f"s, ExportedProgram.module() {s3 - s2:.1f} s")
+        del ep
     t0 = time.perf_counter()
     cap = capture_module(w.model, w.args, w.kwargs)
     t1 = time.perf_counter()
