@@ -5,7 +5,9 @@
 The model is optimized with FP8 on every linear (``FP8Config(min_features=16)``) and kopt's
 Triton GEMM (``triton_gemm``), so that its graph holds one op of every kind: row-wise
 (residual + norm + modulation + quantization), act + quant, quant, QK-norm + RoPE, cat and
-GEMM. For the first node of each op the script takes the arguments it gets in the optimized
+GEMM. The GEMM row times kopt's template: the per-launch-key choice of cuBLAS where it measures
+faster (``kopt.codegen.gemm.LIBRARY_CHOICE``) is turned off, a cuBLAS call not being a kopt
+launch. For the first node of each op the script takes the arguments it gets in the optimized
 graph, then times back-to-back calls of
 
 - the op through the dispatcher, as the optimized graph calls it (``torch.ops.kopt.*``);
@@ -35,6 +37,7 @@ from torch import fx
 
 import kopt
 from kopt.capture import flatten_inputs
+from kopt.codegen import gemm as gemm_module
 from kopt.codegen.launch import DirectOp
 from kopt.codegen.ops import CUDA_IMPLS
 from kopt.models import build
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda = args.device.startswith("cuda")
     w = build(args.model, device=args.device, dtype=torch.bfloat16)
     config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16), triton_gemm=cuda)
+    gemm_module.LIBRARY_CHOICE = False
     opt = kopt.optimize(w.model, w.args, w.kwargs, config, cuda_graphs=False,
                         verify=kopt.VerifyOptions(enabled=False))
     flat, _ = flatten_inputs(w.args, w.kwargs)

@@ -226,6 +226,51 @@ def write_constant(dst: torch.Tensor, value: torch.Tensor, name: str) -> None:
     dst.as_strided(first.shape, dst.stride()).copy_(first)
 
 
+def graphs_allowed(spec: _Specialization, body: Any, flat: Sequence[Any],
+                   cuda_graphs: CudaGraphs) -> bool:
+    """Whether this call of ``spec`` (running ``body``, the graph a runner would capture) runs
+    from a CUDA graph: on unless ``cuda_graphs`` is False, the inputs are not on a GPU, the
+    caller captures this call itself, or (``"auto"``) the graph cannot be captured, which is
+    recorded in ``spec.graphs_off`` for the report."""
+    if cuda_graphs is False or spec.graphs_off is not None:
+        return False
+    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat):
+        return False
+    if torch.cuda.is_current_stream_capturing():  # the caller captures this call itself
+        return False
+    if spec.runner is None and cuda_graphs == "auto":
+        reason = not_capturable(spec.gm if not isinstance(body, fx.GraphModule) else body)
+        if reason is not None:
+            spec.graphs_off = reason
+            log.info("kopt: CUDA graphs off for this input signature: %s", reason)
+            return False
+    return True
+
+
+def run_from_graph(spec: _Specialization, body: Any, flat: Sequence[Any], forced: bool,
+                   pool: Any) -> tuple[Any, bool]:
+    """``(outputs, whether this call captured the graph)``: ``body(*flat)`` through
+    ``spec``'s :class:`CudaGraphRunner` (made on the first call, in memory pool ``pool``).
+    A capture that fails turns graphs off for ``spec`` and runs ``body`` as it is, unless
+    ``forced`` (``cuda_graphs=True``), where the error propagates."""
+    if spec.runner is None:
+        spec.runner = CudaGraphRunner(body, pool=pool)
+    runner = spec.runner
+    if runner.graph is not None or runner.calls < runner.warmup:
+        return runner(*flat), False
+    try:
+        return runner(*flat), True
+    except (NotCapturable, RuntimeError) as e:
+        if forced:
+            raise
+        torch.cuda.synchronize()
+        spec.graphs_off = f"the capture failed: {type(e).__name__}: " \
+                          f"{str(e).splitlines()[0][:160]}"
+        log.warning("kopt: %s; running without CUDA graphs", spec.graphs_off)
+        spec.runner = None
+        return body(*flat), False
+
+
 class OptimizedModule:
     """The optimized model: call it like the original.
 
@@ -328,52 +373,24 @@ class OptimizedModule:
                      "optimized graph")
             spec.said_strides = True
         gm = plan.gm if planned else spec.gm
-        if not self._graphs(spec, flat, planned):
-            return gm(*flat)
-        if spec.runner is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            spec.runner = CudaGraphRunner(gm, pool=self._pool)
-        runner = spec.runner
-        if runner.graph is not None or runner.calls < runner.warmup:
-            return runner(*flat)
-        try:
-            out = runner(*flat)
-        except (NotCapturable, RuntimeError) as e:
-            if self.cuda_graphs is True:
-                raise
-            torch.cuda.synchronize()
-            spec.graphs_off = f"the capture failed: {type(e).__name__}: " \
-                              f"{str(e).splitlines()[0][:160]}"
-            log.warning("kopt: %s; running without CUDA graphs", spec.graphs_off)
-            spec.runner = None
-            self._refresh_report(spec)
-            return gm(*flat)
-        held = pool_bytes(self._pool)
-        for other in self._specs.values():  # one pool: every report gives what it holds now
-            other.pool_mib = None if held is None else held / 2**20
-            self._refresh_report(other)
-        return out
-
-    def _graphs(self, spec: _Specialization, flat: list[Any], planned: bool) -> bool:
-        """Whether this call of ``spec`` runs from a CUDA graph."""
-        if self.cuda_graphs is False or spec.graphs_off is not None:
-            return False
-        if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat):
-            return False
-        if torch.cuda.is_current_stream_capturing():  # the caller captures this call itself
-            return False
-        if spec.runner is not None:
-            return spec.plan is None or spec.plan.off is not None or planned
-        if self.cuda_graphs == "auto":
-            gm = spec.plan.gm if planned else spec.gm
-            reason = not_capturable(gm)
-            if reason is not None:
-                spec.graphs_off = reason
-                log.info("kopt: CUDA graphs off for this input signature: %s", reason)
+        if spec.runner is not None and not (plan is None or plan.off is not None or planned):
+            return gm(*flat)  # the graph was captured from the plan; these strides are not it
+        off = spec.graphs_off
+        if not graphs_allowed(spec, gm, flat, self.cuda_graphs):
+            if spec.graphs_off != off:
                 self._refresh_report(spec)
-                return False
-        return True
+            return gm(*flat)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        out, captured = run_from_graph(spec, gm, flat, self.cuda_graphs is True, self._pool)
+        if captured:
+            held = pool_bytes(self._pool)
+            for other in self._specs.values():  # one pool: every report gives what it holds
+                other.pool_mib = None if held is None else held / 2**20
+                self._refresh_report(other)
+        elif spec.graphs_off is not None:
+            self._refresh_report(spec)
+        return out
 
     def _adopt(self, spec: _Specialization) -> None:
         """Share ``spec``'s constants and regions with the others, and build its plan."""

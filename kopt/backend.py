@@ -11,6 +11,11 @@ Options (all optional):
 * ``config``: a :class:`kopt.PassConfig`, or a dict of its fields
 * ``verify``: a :class:`kopt.VerifyOptions`, or a bool
 * ``reports``: a list that receives one :class:`kopt.Report` per compiled graph
+* ``cuda_graphs``: ``"auto"`` (the default) | True | False, as in :func:`kopt.optimize`: each
+  optimized graph whose inputs are on a GPU replays the inner compiler's code from a CUDA graph
+  from its third call, where the graph can be captured (else it runs as compiled, and its
+  report says why). The graphs of a process share one memory pool per device; outputs are
+  copies, so a caller may keep them across calls.
 
 A graph kopt cannot take (dynamic shapes, an unsupported op) is logged with the reason and given
 to the inner compiler unmodified, so compilation still succeeds. A graph dynamo reuses for several
@@ -28,8 +33,17 @@ from typing import Any
 import torch
 from torch import fx
 
-from kopt.api import Report, _Specialization, optimize_captured
+from kopt.api import (
+    CudaGraphs,
+    Report,
+    _check_cuda_graphs,
+    _Specialization,
+    graphs_allowed,
+    optimize_captured,
+    run_from_graph,
+)
 from kopt.capture import capture_dynamo
+from kopt.cudagraphs import pool_bytes
 from kopt.errors import CaptureError, KoptError
 from kopt.passes import PassConfig
 from kopt.verify import VerifyOptions
@@ -57,14 +71,15 @@ class BackendOptions:
     config: PassConfig = field(default_factory=PassConfig)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     reports: list[Report] | None = None
+    cuda_graphs: CudaGraphs = "auto"
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> BackendOptions:
         options = dict(options or {})
-        unknown = set(options) - {"inner", "config", "verify", "reports"}
+        unknown = set(options) - {"inner", "config", "verify", "reports", "cuda_graphs"}
         if unknown:
             raise KoptError(f"unknown kopt backend option(s) {sorted(unknown)}; "
-                            "valid: inner, config, verify, reports")
+                            "valid: inner, config, verify, reports, cuda_graphs")
         out = cls()
         if "inner" in options:
             if options["inner"] not in INNER:
@@ -85,6 +100,11 @@ class BackendOptions:
         elif verify is not None:
             out.verify = verify
         out.reports = options.get("reports")
+        if "cuda_graphs" in options:
+            try:
+                out.cuda_graphs = _check_cuda_graphs(options["cuda_graphs"])
+            except ValueError as exc:
+                raise KoptError(f"kopt backend option 'cuda_graphs': {exc}") from exc
         if out.inner == "inductor" and not isinstance(config, PassConfig):
             # a PassConfig object is taken as given; defaults and dicts leave these to Inductor
             off = {name: False for name in LEFT_TO_INDUCTOR if name not in named}
@@ -133,18 +153,39 @@ def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs:
     runtime_examples = [example_inputs[i] for i in runtime_idx]
     compiled = inner_compile(opts.inner, spec.gm, runtime_examples)
     static_idx = [i for i in range(len(example_inputs)) if i not in set(runtime_idx)]
-    return Runner(compiled, spec, runtime_idx, static_idx, example_inputs)
+    # run eagerly, the graph module itself is the body: its hoisted regions stay outside a
+    # CUDA graph
+    body = spec.gm if opts.inner == "eager" else compiled
+    runner = Runner(body, spec, runtime_idx, static_idx, example_inputs, opts.cuda_graphs)
+    spec.report.runtime[:] = spec.runtime_lines(opts.cuda_graphs)
+    return runner
+
+
+# The CUDA-graph memory pool of each device, shared by every graph the backend captures in this
+# process: graphs replay one after another on one stream, and each keeps its outputs alive
+# (copied out at every call), so one graph's freed intermediates can serve the next.
+_POOLS: dict[int, Any] = {}
+
+
+def _pool(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.graph_pool_handle()
+    return _POOLS[index]
 
 
 class Runner:
-    """Calls the compiled graph with the runtime inputs; re-packs weights changed in place."""
+    """Calls the compiled graph with the runtime inputs (from a CUDA graph where
+    ``cuda_graphs`` and the graph allow); re-packs weights changed in place."""
 
     def __init__(self, compiled: Callable[..., Any], spec: _Specialization,
-                 runtime_idx: list[int], static_idx: list[int], examples: list[Any]) -> None:
+                 runtime_idx: list[int], static_idx: list[int], examples: list[Any],
+                 cuda_graphs: CudaGraphs = "auto") -> None:
         self.compiled = compiled
         self.spec = spec
         self.runtime_idx = runtime_idx
         self.static = [(i, examples[i]) for i in static_idx]
+        self.cuda_graphs = cuda_graphs
 
     def __call__(self, *args: Any) -> Any:
         for i, t in self.static:
@@ -154,9 +195,24 @@ class Runner:
                     "packed the old one. Update it in place (e.g. load_state_dict) or recompile "
                     "(torch._dynamo.reset())."
                 )
-        self.spec.refresh_if_stale()
-        out = self.compiled(*[args[i] for i in self.runtime_idx])
-        return self.spec.captured.unflatten_outputs(out)
+        spec = self.spec
+        spec.refresh_if_stale()
+        flat = [args[i] for i in self.runtime_idx]
+        off = spec.graphs_off
+        if not graphs_allowed(spec, self.compiled, flat, self.cuda_graphs):
+            if spec.graphs_off != off:
+                spec.report.runtime[:] = spec.runtime_lines(self.cuda_graphs)
+            return spec.captured.unflatten_outputs(self.compiled(*flat))
+        device = next(a.device for a in flat if isinstance(a, torch.Tensor) and a.is_cuda)
+        pool = _pool(device)
+        out, captured = run_from_graph(spec, self.compiled, flat, self.cuda_graphs is True,
+                                       pool)
+        if captured or spec.graphs_off is not None:
+            if captured:
+                held = pool_bytes(pool)
+                spec.pool_mib = None if held is None else held / 2**20
+            spec.report.runtime[:] = spec.runtime_lines(self.cuda_graphs)
+        return spec.captured.unflatten_outputs(out)
 
 
 class PerWeights:

@@ -236,15 +236,20 @@ def capture_graph(fn: Any, pool: Any = None, warmup: int = 1) -> tuple[Any, Any]
 
 class CudaGraphRunner:
     """Runs ``gm`` eagerly for ``warmup`` calls, then from a CUDA graph captured on the next.
+    ``gm`` is an optimized graph (its hoisted regions run outside the graph) or any callable
+    (the inner compiler's code for one, under ``torch.compile``).
 
     ``pool``: the memory pool the graph allocates from (``torch.cuda.graph_pool_handle()``;
     graphs replayed one at a time may share one). ``capture(fn, pool) -> (graph, result)``
     captures ``fn`` (the default, in a CUDA graph; anything with a ``replay()`` method that
     re-runs ``fn`` on the same buffers will do, as the CPU tests do)."""
 
-    def __init__(self, gm: fx.GraphModule, warmup: int = 2, clone_outputs: bool = True,
+    def __init__(self, gm: Any, warmup: int = 2, clone_outputs: bool = True,
                  pool: Any = None, capture: Any = None) -> None:
-        self.prelude, self.body = split_hoisted(gm)
+        if isinstance(gm, fx.GraphModule):
+            self.prelude, self.body = split_hoisted(gm)
+        else:  # compiled code (an inner compiler's): no hoisted region to keep outside
+            self.prelude, self.body = None, gm
         self.warmup = warmup
         self.clone_outputs = clone_outputs
         self.pool = pool

@@ -5,10 +5,11 @@ call of a fused op can be *recorded*: which compiled kernels it launched, on whi
 which arguments. A :class:`DirectOp` records its op's first call and from then on replays it: it
 allocates the outputs (and any scratch buffer) the call allocated, computes each pointer
 argument as a source tensor's address plus the offset it had, and calls each compiled kernel's
-C launcher with the recorded scalars and constexprs. That skips the dispatcher, the op's Python
-checks and planning, Triton's argument binding and specialisation and its Python launcher
-object, and allocates through PyTorch's dispatcher-free allocator: the replay costs the host
-about what a ``torch.add`` does, several times less than the op's call through the dispatcher
+C launcher with the recorded scalars and constexprs (a host TMA descriptor argument is encoded
+once per address it is given). That skips the dispatcher, the op's Python checks and planning,
+Triton's argument binding and specialisation and its Python launcher object, and allocates
+through PyTorch's dispatcher-free allocator: the replay costs the host about what a
+``torch.add`` does, several times less than the op's call through the dispatcher
 (``benchmarks/host_cost.py``; RESULTS.md).
 
 A call can be replayed only if its launches are a function of what the replay keeps fixed:
@@ -17,7 +18,7 @@ guarantees those (an execution plan is specialised on them, :mod:`kopt.runtime`)
 checks what it can cheaply (the device, and the 16-byte alignment Triton specialised a pointer
 on). A call that computes anything outside Triton (an aten op other than an allocation or a
 view: a ``.contiguous()`` copy, a fallback to the reference, a cuBLAS GEMM) or launches a kernel
-:func:`launch` cannot note (an autotuner, a host tensor descriptor) is not replayed: the op's
+:func:`launch` cannot note (an autotuner) is not replayed: the op's
 Python implementation keeps running, still without the dispatcher. A recording is adopted only
 if its replay reproduces the recorded call's outputs bit for bit.
 """
@@ -25,6 +26,7 @@ if its replay reproduces the recorded call's outputs bit for bit.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -194,6 +196,43 @@ class _Unreplayable(Exception):
     """Why a recorded call cannot be replayed."""
 
 
+def _is_descriptor(v: Any) -> bool:
+    """Whether ``v`` is a host-side tensor descriptor (``triton.tools.tensor_descriptor``)."""
+    return type(v).__name__ == "TensorDescriptor" and isinstance(
+        getattr(v, "base", None), torch.Tensor)
+
+
+class _Address:
+    """The base of a replayed tensor descriptor: what Triton's launcher reads from a tensor
+    (its address, its dtype) when it encodes the descriptor's tensor map."""
+
+    __slots__ = ("dtype", "ptr")
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self.ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _template(desc: Any) -> Any:
+    """A copy of the recorded descriptor that holds no tensor (its base an :class:`_Address`)."""
+    out = object.__new__(type(desc))
+    out.__dict__.update(desc.__dict__)
+    out.base = _Address(desc.base.data_ptr(), desc.base.dtype)
+    return out
+
+
+def _redescribe(template: Any, ptr: int) -> Any:
+    """The template's descriptor over the tensor at ``ptr``, made without the dataclass's
+    checks (the recorded call passed them; the replay checks the base's alignment)."""
+    out = object.__new__(type(template))
+    out.__dict__.update(template.__dict__)
+    out.base = _Address(ptr, template.base.dtype)
+    return out
+
+
 def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted | None],
                   watch: _Watch) -> Callable[..., Any]:
     """Generate the replay of one recorded call (see the module's docstring)."""
@@ -211,7 +250,8 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
         raise _Unreplayable("a Triton launch hook is set")
     g: dict[str, Any] = {"empty_strided": _empty_strided_cuda(), "empty": torch.empty,
                          "uint8": torch.uint8, "current_device": torch._C._cuda_getDevice,
-                         "raw_stream": torch._C._cuda_getCurrentRawStream, "scratch": {}}
+                         "raw_stream": torch._C._cuda_getCurrentRawStream, "scratch": {},
+                         "redescribe": _redescribe}
     lines: list[str] = []
     sources: dict[StorageWeakRef, tuple[str, int]] = {}  # storage -> (expression, its ptr)
     leaves = _leaves(args)
@@ -256,6 +296,7 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
     for c, n in enumerate(notes):
         assert n is not None
         values = []
+        descs: list[tuple[int, str]] = []  # (position, the address expression) per descriptor
         for v_i, v in enumerate(n.values):
             if isinstance(v, torch.Tensor):
                 ptr = v.data_ptr()
@@ -278,14 +319,28 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
                 if ptr % 16 == 0:
                     aligned.append(value)
                 values.append(value)
+            elif _is_descriptor(v):
+                # a host TMA descriptor of an input or output: the launcher encodes the tensor
+                # map from its base's address, the rest is fixed by the specialisation
+                ref = StorageWeakRef(v.base.untyped_storage())
+                if ref not in sources:
+                    raise _Unreplayable(f"launch {c} takes a descriptor of a tensor it was "
+                                        "not given")
+                expr, base = sources[ref]
+                offset = v.base.data_ptr() - base
+                value = f"({expr} + {offset})" if offset else expr
+                aligned.append(value)
+                g[f"desc{c}_{v_i}"] = _template(v)
+                values.append(f"redescribe(desc{c}_{v_i}, {value})")
+                descs.append((v_i, value))
             elif isinstance(v, bool | int | float | str | type(None)):
                 values.append(repr(v))
             elif isinstance(v, torch.dtype) or type(v).__module__.startswith("triton.language"):
                 g[f"const{c}_{v_i}"] = v  # a dtype or a constexpr: the same every call
                 values.append(f"const{c}_{v_i}")
-            else:  # e.g. a host tensor descriptor: it holds this call's tensor
+            else:
                 raise _Unreplayable(f"launch {c} takes a {type(v).__name__}")
-        calls.append(_launch_call(g, c, n, values))
+        calls += _launch_call(g, c, n, values, descs)
     params = ", ".join(f"a{i}" for i in range(n_args))
     body = [f"def replay({params}):"]
     body += [f"    {line}" for line in lines if line.startswith("p")]
@@ -326,8 +381,10 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
 _STREAM_MARK = 0x7EA5_0000_0001
 
 
-def _launch_call(g: dict[str, Any], c: int, n: Noted, values: list[str]) -> str:
-    """The replay's source line that launches ``n`` (its arguments' expressions ``values``).
+def _launch_call(g: dict[str, Any], c: int, n: Noted, values: list[str],
+                 descs: Sequence[tuple[int, str]] = ()) -> list[str]:
+    """The replay's source lines that launch ``n`` (its arguments' expressions ``values``;
+    ``descs``: the positions of its host tensor descriptors and their addresses' expressions).
 
     Triton's launcher object (``compiled.run``) is a Python wrapper around a C function
     (``run.launch``) that allocates the kernel's global and profile scratch, if it has any,
@@ -335,7 +392,10 @@ def _launch_call(g: dict[str, Any], c: int, n: Noted, values: list[str]) -> str:
     directly: one wrapper call is spied on (the C function replaced, so nothing launches) to
     learn where it puts the stream and the kernel's arguments; every other argument it passes
     is a constant of this kernel. Where the wrapper does not pass the arguments on as recorded,
-    the replay calls the wrapper."""
+    the replay calls the wrapper. A kernel that takes host tensor descriptors has one more
+    wrapper, which encodes each descriptor's tensor map; the replay keeps the encoded form of
+    each address it has seen (:func:`_lower_descriptors`), so that a call on known addresses
+    (a weight's; an activation's the allocator hands out again) skips that wrapper too."""
     run = n.compiled.run
     g[f"run{c}"], g[f"fn{c}"] = run, n.compiled.function
     g[f"meta{c}"] = n.compiled.packed_metadata
@@ -343,8 +403,24 @@ def _launch_call(g: dict[str, Any], c: int, n: Noted, values: list[str]) -> str:
                f"None, None, None, {', '.join(values)})")
     spied = _spy(run, n)
     if spied is None:
-        return wrapper
+        return [wrapper]
     inner, passed, stream_at, args_at, expanded = spied
+    lines: list[str] = []
+    if descs:
+        lowered = _lower_descriptors(inner, passed, args_at, expanded, n,
+                                     [i for i, _ in descs])
+        if lowered is not None:
+            inner, learn, memos = lowered
+            g[f"learn{c}"] = learn
+            names = [f"e{c}_{k}" for k in range(len(descs))]
+            for k, (_, address) in enumerate(descs):
+                g[f"memo{c}_{k}"] = memos[k]
+                lines.append(f"{names[k]} = memo{c}_{k}.get({address})")
+            lines.append(f"if {' or '.join(f'{e} is None' for e in names)}:")
+            lines.append(f"    {', '.join(names)}, = learn{c}("
+                         f"{', '.join(a for _, a in descs)})")
+            at = {i: k for k, (i, _) in enumerate(descs)}
+            values = [f"*{names[at[i]]}" if i in at else v for i, v in enumerate(values)]
     g[f"launch{c}"] = inner
     parts = []
     for k, v in enumerate(passed[:args_at]):
@@ -358,7 +434,79 @@ def _launch_call(g: dict[str, Any], c: int, n: Noted, values: list[str]) -> str:
         parts.append(kernel_args)
     else:
         parts.append(f"({kernel_args},)" if values else "()")
-    return f"launch{c}({', '.join(p for p in parts if p)})"
+    return [*lines, f"launch{c}({', '.join(p for p in parts if p)})"]
+
+
+_MEMO_ENTRIES = 64  # encoded descriptors kept per descriptor argument (then forgotten)
+
+
+def _lower_descriptors(inner: Any, passed: tuple, args_at: int, expanded: bool, n: Noted,
+                       positions: list[int]) -> tuple[Any, Callable[..., tuple],
+                                                       list[dict[int, tuple]]] | None:
+    """``(C function, learn, memos)`` for a launcher ``inner`` that encodes host tensor
+    descriptors (a closure over the C function, named ``launcher``), or None for another form.
+
+    ``learn(*addresses)`` runs the encoding for descriptors over those addresses (a copy of
+    ``inner`` whose C function only records what it is given) and returns, per descriptor,
+    the values it became in the C function's arguments, filing each in its ``memos`` entry
+    keyed by address. The form is checked on the recorded call: every other argument passed
+    through unchanged, every descriptor expanded to the same number of values."""
+    code = getattr(inner, "__code__", None)
+    closure = getattr(inner, "__closure__", None)
+    if code is None or closure is None or "launcher" not in code.co_freevars:
+        return None
+    cells = list(closure)
+    at = code.co_freevars.index("launcher")
+    c_function = cells[at].cell_contents
+    if not callable(c_function):
+        return None
+    seen: list[tuple] = []
+    cells[at] = types.CellType(lambda *a: seen.append(a))
+    encode = types.FunctionType(code, inner.__globals__, code.co_name, inner.__defaults__,
+                                tuple(cells))
+    encode.__kwdefaults__ = inner.__kwdefaults__
+    base = passed[:args_at]
+    templates = [_template(n.values[i]) for i in positions]
+    # the other arguments as plain values: the encoding passes them through
+    plain = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in n.values]
+    where = set(positions)
+    memos: list[dict[int, tuple]] = [{} for _ in positions]
+
+    def learn(*addresses: int) -> tuple:
+        values = list(plain)
+        for i, t, a in zip(positions, templates, addresses, strict=True):
+            values[i] = _redescribe(t, a)
+        seen.clear()
+        if expanded:
+            encode(*base, *values)
+        else:
+            encode(*base, tuple(values))
+        got = seen[-1][args_at:] if expanded else seen[-1][args_at]
+        extra = len(got) - len(values)
+        if extra < 0 or extra % len(positions):
+            raise _Unreplayable("the descriptors' encoding has an unknown form")
+        width = extra // len(positions) + 1
+        out: list[tuple] = []
+        j = 0
+        for i, v in enumerate(values):
+            if i in where:
+                out.append(tuple(got[j:j + width]))
+                j += width
+            else:
+                if not (got[j] is v or (isinstance(v, int | float) and got[j] == v)):
+                    raise _Unreplayable("the descriptors' encoding has an unknown form")
+                j += 1
+        for memo, a, e in zip(memos, addresses, out, strict=True):
+            if len(memo) >= _MEMO_ENTRIES:
+                memo.clear()
+            memo[a] = e
+        return tuple(out)
+
+    try:
+        learn(*(n.values[i].base.data_ptr() for i in positions))
+    except Exception:  # noqa: BLE001 -- a launcher of another form: the replay calls it
+        return None
+    return c_function, learn, memos
 
 
 def _spy(run: Any, n: Noted) -> tuple[Any, tuple, int, int, bool] | None:
@@ -440,7 +588,10 @@ class DirectOp:
             result = self.impl(*args)
         try:
             replay = _build_replay(self.__name__, args, result, notes, watch)
-            again = replay(*args)
+            try:
+                again = replay(*args)
+            except Exception as e:  # noqa: BLE001 -- a launcher of a form the replay mistook
+                raise _Unreplayable(f"its replay failed: {type(e).__name__}: {e}") from e
             if again is None:
                 raise _Unreplayable("its guards failed on the call it was recorded from")
             got = _flat_outputs(again)

@@ -16,7 +16,9 @@ and its request handling run as they are. :func:`optimize_dit` does the same for
 
 Dynamo hands the backend one graph per stretch of the forward it traced without a break. kopt
 optimizes each graph (capture, passes, verification on fresh random inputs), then the inner
-compiler runs it: Inductor by default, as SGLang's own path would, or ``inner="eager"``.
+compiler runs it: Inductor by default, as SGLang's own path would, or ``inner="eager"``. As with
+:func:`kopt.optimize`, ``cuda_graphs="auto"`` (the default) replays each optimized graph from a
+CUDA graph from its third call, where it can be captured; its report says which.
 
 Where kopt cannot apply, SGLang's code runs unmodified there and a warning says where and why:
 
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from kopt.api import Report
+from kopt.api import CudaGraphs, Report
 from kopt.backend import (
     BackendOptions,
     PerWeights,
@@ -168,15 +170,18 @@ def optimize_dit(
     config: PassConfig | dict[str, Any] | None = None,
     verify: VerifyOptions | bool = True,
     inner: str = "inductor",
+    cuda_graphs: CudaGraphs = "auto",
 ) -> KoptDiT:
     """Compile an SGLang DiT with kopt's passes (``dit.compile`` with kopt's backend, static
     shapes); returns the handle that says what kopt did once the DiT has run.
 
     ``config``: a :class:`kopt.PassConfig` or a dict of its fields; under Inductor the fusions
     Inductor does better are left to it, as with ``backend="kopt"``. ``verify`` checks every
-    rewrite on fresh random inputs; ``inner``: ``"inductor"`` or ``"eager"``.
+    rewrite on fresh random inputs; ``inner``: ``"inductor"`` or ``"eager"``; ``cuda_graphs``
+    as in :func:`kopt.optimize` (each optimized graph on a GPU replays from a CUDA graph from
+    its third call where it can be captured).
     """
-    handle = _handle(dit, config, verify, inner)
+    handle = _handle(dit, config, verify, inner, cuda_graphs)
     dit.compile(**_compile_kwargs(handle))
     handle.compiled = True
     return handle
@@ -188,12 +193,13 @@ def apply(
     config: PassConfig | dict[str, Any] | None = None,
     verify: VerifyOptions | bool = True,
     inner: str = "inductor",
+    cuda_graphs: CudaGraphs = "auto",
 ) -> list[KoptDiT]:
     """Put kopt on the DiTs of an SGLang pipeline (its denoising stages) or of one stage,
     through the stage's own torch.compile registry; returns one handle per DiT.
 
     A DiT kopt must not take (:func:`why_unsupported`) is left as it is, with a warning; its
-    handle says why.
+    handle says why. Arguments as in :func:`optimize_dit`.
     """
     stages = _denoising_stages(target)
     if not stages:
@@ -205,7 +211,7 @@ def apply(
             dit = getattr(stage, attribute, None)
             if not isinstance(dit, torch.nn.Module):
                 continue
-            handle = _handle(dit, config, verify, inner)
+            handle = _handle(dit, config, verify, inner, cuda_graphs)
             handles.append(handle)
             why = why_unsupported(stage, dit, attribute)
             if why is not None:
@@ -271,8 +277,8 @@ def why_unsupported(stage: Any, dit: torch.nn.Module, attribute: str = "transfor
 
 
 def _handle(dit: torch.nn.Module, config: PassConfig | dict[str, Any] | None,
-            verify: VerifyOptions | bool, inner: str) -> KoptDiT:
-    options: dict[str, Any] = {"inner": inner, "verify": verify}
+            verify: VerifyOptions | bool, inner: str, cuda_graphs: CudaGraphs) -> KoptDiT:
+    options: dict[str, Any] = {"inner": inner, "verify": verify, "cuda_graphs": cuda_graphs}
     if config is not None:
         options["config"] = config
     return KoptDiT(dit, BackendOptions.parse(options))

@@ -143,6 +143,28 @@ def test_bad_options_are_named() -> None:
         torch.compile(model, backend="kopt", options={"inner": "tvm"})(torch.randn(2, 4))
     with pytest.raises(KoptError, match="unknown pass"):
         BackendOptions.parse({"config": {"no_such_pass": True}})
+    with pytest.raises(KoptError, match="cuda_graphs must be 'auto', True or False"):
+        BackendOptions.parse({"cuda_graphs": "always"})
+
+
+def test_cuda_graphs_default_to_auto_and_say_why_off_on_the_cpu() -> None:
+    """The backend's graphs follow kopt.optimize's default: "auto", which on CPU inputs runs
+    the compiled code and says so in the report; False says it was turned off."""
+    assert BackendOptions.parse(None).cuda_graphs == "auto"
+    for option, line in ((None, "the inputs are not on a CUDA device"),
+                         (False, "cuda_graphs=False")):
+        torch._dynamo.reset()
+        reports: list = []
+        options = {"inner": "eager", "reports": reports}
+        if option is not None:
+            options["cuda_graphs"] = option
+        model = QKV(16).eval()
+        f = torch.compile(model, backend="kopt", options=options)
+        x = torch.randn(3, 16)
+        for _ in range(3):
+            torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-5)
+        (report,) = reports
+        assert f"CUDA graphs: off ({line})" in str(report)
 
 
 def test_config_dict_turns_passes_off() -> None:

@@ -318,3 +318,30 @@ def test_a_launcher_with_scratch_keeps_its_wrapper() -> None:
     run.global_scratch_size = 128
     n = Noted(SimpleNamespace(run=run, function=1, packed_metadata=None), (1, 1, 1), [5])
     assert _launch_call({}, 0, n, ["5"]).startswith("run0(")
+
+
+def test_a_descriptor_launchers_encoding_is_learned_once_per_address() -> None:
+    """The replay of a kernel that takes host tensor descriptors calls the C launcher under
+    Triton's descriptor wrapper with the encoding it learned for each address: learned by
+    running the wrapper's own code over a recording stand-in of the C function."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kopt.codegen.launch import Noted, _lower_descriptors
+
+    wrap = pytest.importorskip("triton.backends.driver").wrap_handle_tensordesc_impl
+    launched = []
+
+    def encode(arg, meta, _):  # noqa: ANN001, ANN202 -- the tensor map Triton would build
+        return [("map", arg.base.data_ptr()), *arg.shape, *arg.strides]
+
+    signature = {"a": "*bf16", "d": "tensordesc<bf16[16, 16]>", "n": "i32"}
+    inner = wrap(lambda *a: launched.append(a), signature, [{"swizzle": 128}], encode)
+    x = torch.randn(64, 32)
+    noted = Noted(object(), (1, 1, 1), [x, TensorDescriptor.from_tensor(x, [16, 16]), 7])
+    c_function, learn, (memo,) = _lower_descriptors(inner, (1, 1, 1, "stream"), 4, False,
+                                                    noted, [1])
+    assert c_function is not inner and not launched  # learning launches nothing
+    assert memo == {x.data_ptr(): (("map", x.data_ptr()), 64, 32, 32, 1)}
+    assert learn(4096) == ((("map", 4096), 64, 32, 32, 1),)
+    assert set(memo) == {x.data_ptr(), 4096}
+    assert _lower_descriptors(lambda *a: None, (1, 1, 1, "s"), 4, False, noted, [1]) is None

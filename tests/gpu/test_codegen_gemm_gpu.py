@@ -284,3 +284,37 @@ def test_cublas_runs_a_launch_key_only_where_measured_faster(
     gemm(a, b, sa, sb, bias, gate, torch.randn(m, n, device="cuda", dtype=BF16))
     (gated,) = g._LAUNCHES.values()
     assert not gated.library_form and not gated.library
+
+
+def test_the_tma_template_is_replayed_bitwise_with_its_descriptors_rebuilt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An execution plan's GEMM call replays the tuned template's TMA launch (its host
+    descriptors rebuilt around each call's operands), bit for bit the Python launch, on
+    operands at other addresses than the recorded call's."""
+    from kopt.codegen import gemm as g
+    from kopt.codegen.launch import DirectOp
+    from kopt.codegen.ops import CUDA_IMPLS
+
+    monkeypatch.setattr(g, "LIBRARY_CHOICE", False)
+    m, n, k = 256, 384, 512
+    a, b, sa, sb, bias = fp8_operands(m, n, k, True)
+    gate = torch.randn(1, n, device="cuda", dtype=BF16)
+    res = torch.randn(m, n, device="cuda", dtype=BF16)
+    op = torch.ops.kopt.fp8_gemm.default
+    g._LAUNCHES.clear()
+    gemm(a, b, sa, sb, bias, gate, res, fp8=True)  # tunes the launch key
+    (launch,) = g._LAUNCHES.values()
+    assert launch.use_tma and launch.direct is not None
+    direct = DirectOp(op, CUDA_IMPLS[op], "kopt_gemm")
+    direct(a, b, sa, sb, bias, gate, res, "none", BF16)
+    assert direct.direct, direct.why_not
+    # the descriptors' encoding kept per address: b's (a weight) is encoded once
+    assert "memo0_0.get" in direct._replay.source, direct._replay.source
+    for seed in (1, 2):
+        a2, _, sa2, _, _ = fp8_operands(m, n, k, seed=seed)
+        res2 = torch.randn(m, n, device="cuda", dtype=BF16)
+        got = direct(a2, b, sa2, sb, bias, gate, res2, "none", BF16)
+        want = gemm(a2, b, sa2, sb, bias, gate, res2, fp8=True)
+        assert torch.equal(got, want)
+    memos = [v for k, v in direct._replay.__globals__.items() if k.startswith("memo0_")]
+    assert len(memos) == 2 and min(len(m) for m in memos) == 1  # b's: one address

@@ -97,3 +97,38 @@ def test_decode_with_a_kv_cache_replays_from_a_graph_bitwise() -> None:
             assert same_value(main_output(opt(*w.args, **w.kwargs)),
                                  main_output(eager(*w.args, **w.kwargs)))
     assert opt._specs[opt._first_key].runner.graph is not None
+
+
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+def test_the_backend_replays_from_cuda_graphs_by_default(inner: str) -> None:
+    """torch.compile(backend="kopt") with its defaults replays each optimized graph from a CUDA
+    graph from the third call: bitwise what the same compile gives with cuda_graphs=False, on
+    fresh inputs every call, and the outputs a caller keeps are not overwritten by later
+    replays (a CFG loop keeps the cond output across the uncond call)."""
+    w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
+    calls = []
+    for seed in range(5):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        calls.append({k: (v + 0.05 * torch.randn(v.shape, device="cuda", dtype=v.dtype,
+                                                 generator=g)
+                          if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                      for k, v in w.kwargs.items()})
+
+    def run(cuda_graphs):  # noqa: ANN001, ANN202
+        torch._dynamo.reset()
+        reports: list = []
+        options = {"inner": inner, "reports": reports}
+        if cuda_graphs is not None:
+            options["cuda_graphs"] = cuda_graphs
+        f = torch.compile(w.model, backend="kopt", dynamic=False, options=options)
+        with torch.no_grad():
+            outs = [main_output(f(*w.args, **kw)) for kw in calls]  # all kept to the end
+        return outs, reports
+
+    plain, plain_reports = run(False)
+    graphed, reports = run(None)
+    assert all("CUDA graphs: off (cuda_graphs=False)" in str(r) for r in plain_reports)
+    assert reports and all("CUDA graphs: replayed from one graph" in str(r) for r in reports), \
+        "\n".join(map(str, reports))
+    for i, (a, b) in enumerate(zip(graphed, plain, strict=True)):
+        assert torch.equal(a, b), f"call {i}"
