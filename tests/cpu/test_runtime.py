@@ -300,7 +300,7 @@ def test_a_replayed_launch_calls_the_c_launcher_with_what_the_wrapper_would(form
     compiled = SimpleNamespace(run=run, function=1234, packed_metadata=("m",))
     n = Noted(compiled, (3, 1, 1), [7, 8, "c"])
     g: dict = {}
-    line = _launch_call(g, 0, n, ["p0", "(p0 + 16)", "const0_2"])
+    (line,) = _launch_call(g, 0, n, ["p0", "(p0 + 16)", "const0_2"])
     assert line.startswith("launch0(")
     g.update(p0=4096, const0_2="c", stream=77)
     exec(f"p0 = 4096\n{line}", g)  # noqa: S102
@@ -317,7 +317,8 @@ def test_a_launcher_with_scratch_keeps_its_wrapper() -> None:
     run = _Launcher36()
     run.global_scratch_size = 128
     n = Noted(SimpleNamespace(run=run, function=1, packed_metadata=None), (1, 1, 1), [5])
-    assert _launch_call({}, 0, n, ["5"]).startswith("run0(")
+    (line,) = _launch_call({}, 0, n, ["5"])
+    assert line.startswith("run0(")
 
 
 def test_a_descriptor_launchers_encoding_is_learned_once_per_address() -> None:
@@ -345,3 +346,31 @@ def test_a_descriptor_launchers_encoding_is_learned_once_per_address() -> None:
     assert learn(4096) == ((("map", 4096), 64, 32, 32, 1),)
     assert set(memo) == {x.data_ptr(), 4096}
     assert _lower_descriptors(lambda *a: None, (1, 1, 1, "s"), 4, False, noted, [1]) is None
+
+
+def _descriptor_wrapper36(launcher, positions, encode):  # noqa: ANN001, ANN202
+    """The form of Triton 3.6's descriptor wrapper: nine base arguments, then the kernel's
+    arguments one by one, each descriptor expanded in place."""
+
+    def inner(*args):  # noqa: ANN002, ANN202
+        final = list(args[:9])
+        for i, arg in enumerate(args[9:]):
+            final.extend(encode(arg) if i in positions else [arg])
+        return launcher(*final)
+    return inner
+
+
+def test_a_descriptor_launchers_encoding_is_learned_in_the_one_by_one_form() -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kopt.codegen.launch import Noted, _lower_descriptors
+
+    launched = []
+    inner = _descriptor_wrapper36(lambda *a: launched.append(a), {1},
+                                  lambda d: [("map", d.base.data_ptr()), *d.shape, *d.strides])
+    x = torch.randn(64, 32)
+    noted = Noted(object(), (1, 1, 1), [x, TensorDescriptor.from_tensor(x, [16, 16]), 7])
+    base = (1, 1, 1, "stream", "fn", False, False, None, None)
+    _, learn, (memo,) = _lower_descriptors(inner, base, 9, True, noted, [1])
+    assert not launched
+    assert learn(8192) == ((("map", 8192), 64, 32, 32, 1),) and set(memo) == {x.data_ptr(), 8192}
