@@ -63,6 +63,7 @@ class Report:
     ranking: Ranking | None = None  # when optimized with a cost model
     # how the optimized module runs this graph (execution plan, CUDA graphs), kept current
     runtime: list[str] = field(default_factory=list)
+    repeated: str = ""  # repeated blocks traced once (kopt.repeated), for the capture line
 
     @property
     def verified(self) -> bool:
@@ -117,7 +118,7 @@ class Report:
     def format(self, verbose: bool = False) -> str:
         out = [f"kopt report: {self.model}",
                f"capture: {self.capture}, {self.nodes_captured} nodes, "
-               f"{self.capture_seconds:.2f} s"]
+               f"{self.capture_seconds:.2f} s" + (f" ({self.repeated})" if self.repeated else "")]
         for r in self.passes:
             out.append("  " + format_pass_line(r))
             shown = r.details if verbose else r.details[:DETAIL_LINES]
@@ -507,7 +508,8 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
     manager = PassManager(config, verify, dump_dir, cost=cost, cuda_graphs=cuda_graphs)
     gm, results = manager.run(captured.gm, captured.example_inputs)
     report = Report(name, captured.source, capture_seconds, nodes, results, manager.uuid(),
-                    manager.ranking)
+                    manager.ranking,
+                    repeated=captured.repeated.describe() if captured.repeated else "")
     return _Specialization(captured, gm, report)
 
 

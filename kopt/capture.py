@@ -16,6 +16,7 @@ The captured graph takes one placeholder per flattened input leaf and returns a 
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from kopt.errors import CaptureError
+from kopt.repeated import NotRepeatable, Repeated, instantiate, trace_with_stand_ins
+
+log = logging.getLogger("kopt")
 
 # gm.meta key: how the graph was captured. Passes that touch the model's own tensors (packing
 # merged weights in place) only do so for "export": under "dynamo" the parameters are inputs
@@ -46,6 +50,7 @@ class Captured:
     out_spec: pytree.TreeSpec
     example_inputs: list[Any]  # flat leaves of (args, kwargs), in placeholder order
     source: str  # "export" or "dynamo"
+    repeated: Repeated | None = None  # repeated blocks traced once and instantiated
 
     def unflatten_outputs(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -83,24 +88,58 @@ def _fmt_leaf(sig: tuple) -> str:
     return f"{sig[1]} {sig[2]}"
 
 
-def capture_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+def capture_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+                   repeated: bool = True) -> Captured:
     """Capture ``model(*args, **kwargs)`` through non-strict ``torch.export``.
 
-    Raises :class:`CaptureError` naming the construct that cannot be captured; the model is not
-    modified either way.
+    ``repeated``: trace each kind of repeated block once and instantiate it for its siblings
+    (:mod:`kopt.repeated`; the same graph as a whole-model trace). A model whose blocks cannot
+    be traced that way is traced whole. Raises :class:`CaptureError` naming the construct that
+    cannot be captured; the model is not modified either way.
     """
     kwargs = dict(sorted((kwargs or {}).items()))
+    flat, _ = flatten_inputs(args, kwargs)
+    if repeated:
+        try:
+            traced = trace_with_stand_ins(model, tuple(args), kwargs, _export)
+            if traced is not None:
+                gm, registry = traced
+                blocks = instantiate(gm, registry, model, _export_block)
+                return _finish(gm, flat, blocks)
+        except Exception as exc:  # noqa: BLE001 -- the whole-model trace decides, and names it
+            why = exc.args[0] if isinstance(exc, NotRepeatable) else \
+                f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            log.info("kopt: repeated blocks traced with the whole model (%s)", why)
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-        ep = ep.run_decompositions({})
+        gm = _export(model, tuple(args), kwargs)
     except Exception as exc:  # noqa: BLE001 -- every failure becomes a CaptureError naming it
         raise _classify(exc) from exc
+    return _finish(gm, flat, None)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+    return ep.run_decompositions({}).module()
+
+
+def _export_block(block: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """One repeated block in kopt's flat IR; it must not write into its inputs or buffers
+    (the stand-in op declared it pure)."""
+    ep = torch.export.export(block, tuple(args), dict(sorted(kwargs.items())), strict=False)
+    ep = ep.run_decompositions({})
+    sig = ep.graph_signature
+    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
+        raise NotRepeatable("it writes into its inputs or buffers")
     gm = ep.module()
+    _make_flat(gm)
+    return gm
+
+
+def _finish(gm: fx.GraphModule, flat: list[Any], blocks: Repeated | None) -> Captured:
     info = gm.graph._codegen.pytree_info
-    flat, _ = flatten_inputs(args, kwargs)
     _make_flat(gm)
     gm.meta[SOURCE_KEY] = "export"
-    return Captured(gm, info.in_spec, info.out_spec, flat, "export")
+    return Captured(gm, info.in_spec, info.out_spec, flat, "export", blocks)
 
 
 def capture_dynamo(

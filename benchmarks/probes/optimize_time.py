@@ -1,11 +1,14 @@
-"""Host time of kopt's optimization of a reference workload built on the ``meta`` device (no
-weights, no GPU): what an ablation row's build and a user's ``kopt.optimize`` pay before any
-kernel runs.
+"""Host time of kopt's optimization of a reference workload, built on the ``meta`` device by
+default (no weights, no GPU): what an ablation row's build and a user's ``kopt.optimize`` pay
+before any kernel runs. ``--device cuda --verify 1`` times the same on the GPU with real
+(seeded random) weights, verifying every pass on one seed.
 
-    python -m benchmarks.probes.optimize_time --model qwen-image --fp8 [--split] [--profile N]
+    python -m benchmarks.probes.optimize_time --model qwen-image --fp8 [--whole] [--split]
+        [--profile N]
 
 Prints the capture's and the optimization's seconds, the rewrites applied and the nodes left;
-``--split`` first times the capture's steps apart (export, decompositions, the module);
+``--whole`` first times the capture without repeated blocks (``kopt.repeated``: every block
+traced), ``--split`` the whole-model export's steps apart (export, decompositions, the module);
 ``--profile N`` adds cProfile's N most expensive calls (cumulative) of the optimization.
 """
 
@@ -28,11 +31,25 @@ from kopt.verify import VerifyOptions
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen-image")
+    p.add_argument("--device", default="meta")
+    p.add_argument("--verify", type=int, default=0, metavar="SEEDS",
+                   help="verify every pass on this many seeds (not on the meta device)")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--profile", type=int, default=0, metavar="N")
-    p.add_argument("--split", action="store_true", help="also time the capture's steps apart")
+    p.add_argument("--split", action="store_true",
+                   help="also time the whole-model export's steps apart")
+    p.add_argument("--whole", action="store_true",
+                   help="also time the capture with every repeated block traced")
     args = p.parse_args()
-    w = build(args.model, device="meta", dtype=torch.bfloat16)
+    s0 = time.perf_counter()
+    w = build(args.model, device=args.device, dtype=torch.bfloat16)
+    print(f"{w.name}: built on {args.device} in {time.perf_counter() - s0:.1f} s", flush=True)
+    if args.whole:
+        s0 = time.perf_counter()
+        whole = capture_module(w.model, w.args, w.kwargs, repeated=False)
+        print(f"{w.name}: capture with every block traced {time.perf_counter() - s0:.1f} s "
+              f"({len(whole.gm.graph.nodes)} nodes)", flush=True)
+        del whole
     if args.split:  # the capture's three steps, timed apart
         s0 = time.perf_counter()
         ep = torch.export.export(w.model, tuple(w.args), dict(sorted(w.kwargs.items())),
@@ -55,13 +72,17 @@ def main() -> None:
     t2 = time.perf_counter()
     if prof is not None:
         prof.enable()
-    spec = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0)
+    verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))))
+    spec = optimize_captured(cap, config, verify, None, w.name, 0.0)
     if prof is not None:
         prof.disable()
     t3 = time.perf_counter()
-    print(f"{w.name}: capture {t1 - t0:.1f} s ({len(cap.gm.graph.nodes)} nodes), optimize "
+    rep = f", {cap.repeated.describe()}" if cap.repeated else ""
+    print(f"{w.name}: capture {t1 - t0:.1f} s ({len(cap.gm.graph.nodes)} nodes{rep}), optimize "
           f"{t3 - t2:.1f} s ({spec.report.applied} rewrites, {len(spec.gm.graph.nodes)} nodes "
-          f"left, {type(spec.gm).__mro__[1].__name__})")
+          f"left, {type(spec.gm).__mro__[1].__name__}; verification "
+          f"{'on ' + str(args.verify) + ' seeds' if args.verify else 'off'}, "
+          f"{'passed' if spec.report.verified else 'FAILED'})")
     if prof is not None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile)
 

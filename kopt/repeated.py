@@ -1,0 +1,424 @@
+"""Repeated blocks, found by structure and captured once.
+
+A DiT or an LLM is mostly one block class stacked in an ``nn.ModuleList`` (W1: 60 blocks, 11650
+of its 11880 captured nodes). Tracing every block through ``torch.export`` costs the same each
+time, so :func:`capture_repeated` traces the model with each repeated block standing in as one
+opaque op, traces one block per distinct call, and instantiates that block's graph at every
+call site with that instance's own parameters. The result is the graph a whole-model export
+gives, node for node (a test compares the two), at a fraction of the trace time.
+
+Blocks count as repeated by structure alone, never by name: children of one ``ModuleList`` of
+one class whose parameters and buffers have the same names, shapes, dtypes and devices, whose
+submodules hold equal non-tensor attributes (a flag that differs, such as a per-layer sliding
+window or a layer index, would change the trace) and no hooks. Calls share a trace only where
+their non-tensor arguments and their tensors' shapes, strides and dtypes agree.
+
+A block that mutates its inputs or buffers, returns an alias of an input, or cannot be traced on
+its own makes :func:`capture_repeated` return ``None``: the caller then exports the whole model
+as it is (an error there names the construct, as it always does).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from kopt.graph.query import compact_paths, fake_mode_of
+
+log = logging.getLogger("kopt")
+
+# attributes every nn.Module has, not part of what makes two blocks trace alike
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()).keys())
+# nested plain objects (an attention processor, a config) are compared this deep
+_ATTR_DEPTH = 3
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
+
+
+class NotRepeatable(Exception):
+    """A repeated block that cannot stand for its siblings; the whole model is exported."""
+
+
+@dataclass
+class _Call:
+    """What one traced call of a repeated block looked like: enough to rebuild its arguments
+    from the opaque op's tensor inputs, and its outputs from the op's results."""
+
+    block: torch.nn.Module
+    in_spec: pytree.TreeSpec
+    leaves: tuple  # per input leaf: None for a tensor (taken from the op's inputs), else (value,)
+    out_spec: pytree.TreeSpec | None = None
+    out_leaves: list[Any] = field(default_factory=list)  # per output leaf: meta tuple or (value,)
+
+
+@dataclass
+class _Group:
+    paths: list[str]  # the instances' module paths, in list order
+    members: dict[int, str]  # id(module) -> path
+
+
+class _Registry:
+    """The calls seen while tracing with stand-ins, keyed by what makes their traces equal."""
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple, int] = {}
+        self.calls: dict[int, _Call] = {}
+        self.paths: dict[int, str] = {}  # id(module) -> path, for every stubbed instance
+
+    def key(self, group: int, block: torch.nn.Module, spec: pytree.TreeSpec,
+            flat: list[Any]) -> int:
+        sig = (group, str(spec), tuple(
+            ("t", tuple(x.shape), tuple(x.stride()), x.dtype, x.device.type)
+            if isinstance(x, torch.Tensor) else ("v", type(x).__name__, repr(x)) for x in flat))
+        k = self.keys.setdefault(sig, len(self.keys))
+        if k not in self.calls:
+            leaves = tuple(None if isinstance(x, torch.Tensor) else (x,) for x in flat)
+            self.calls[k] = _Call(block, spec, leaves)
+        return k
+
+
+_ACTIVE: list[_Registry] = []  # the registry of the capture in progress (captures nest not)
+
+
+@torch.library.custom_op("kopt::repeated_block", mutates_args=())
+def _repeated_block(xs: list[torch.Tensor], key: int, instance: int) -> list[torch.Tensor]:
+    raise RuntimeError("kopt::repeated_block stands in for a block only while a model is "
+                       "captured; it never runs")
+
+
+@_repeated_block.register_fake
+def _(xs: list[torch.Tensor], key: int, instance: int) -> list[torch.Tensor]:
+    call = _ACTIVE[-1].calls[key]
+    if call.out_spec is None:  # the first call of this kind: run the block on fake tensors
+        args, kwargs = _rebuild(call, xs)
+        out = type(call.block).forward(call.block, *args, **kwargs)
+        flat, call.out_spec = pytree.tree_flatten(out)
+        taken = {x.untyped_storage()._cdata for x in xs}
+        for o in flat:
+            if isinstance(o, torch.Tensor):
+                if o.untyped_storage()._cdata in taken:
+                    raise NotRepeatable("it returns a view of its input")
+                call.out_leaves.append((tuple(o.shape), tuple(o.stride()), o.dtype, o.device))
+            else:
+                call.out_leaves.append((o,))
+    return [torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
+            for m in call.out_leaves if len(m) == 4]
+
+
+def _rebuild(call: _Call, tensors: list[Any]) -> tuple[tuple, dict]:
+    it = iter(tensors)
+    flat = [next(it) if leaf is None else leaf[0] for leaf in call.leaves]
+    args, kwargs = pytree.tree_unflatten(flat, call.in_spec)
+    return tuple(args), kwargs
+
+
+def find_groups(model: torch.nn.Module, min_size: int = 2) -> list[_Group]:
+    """The outermost ``ModuleList``\\ s whose children trace alike (module docstring)."""
+    if torch.nn.modules.module._global_forward_hooks or \
+            torch.nn.modules.module._global_forward_pre_hooks:
+        return []
+    groups: list[_Group] = []
+    taken: list[str] = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < min_size:
+            continue
+        if any(path == t or path.startswith(t + ".") for t in taken):
+            continue  # inside a block already stood in for: traced with its block
+        children = list(mod)
+        if len({type(c) for c in children}) != 1 or not all(_standable(c) for c in children):
+            continue
+        first = _signature(children[0])
+        if any(_signature(c) != first for c in children[1:]):
+            continue
+        prefix = f"{path}." if path else ""
+        paths = [f"{prefix}{i}" for i in range(len(children))]
+        groups.append(_Group(paths, {id(c): p for c, p in zip(children, paths, strict=True)}))
+        taken += paths
+    return groups
+
+
+def _standable(block: torch.nn.Module) -> bool:
+    """No hooks anywhere in it, and ``forward`` not replaced on the instance (a wrapper such as
+    an offloading hook's would be bypassed)."""
+    if "forward" in vars(block):
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                   or getattr(m, "_forward_hooks_with_kwargs", None)
+                   for m in block.modules())
+
+
+def _signature(block: torch.nn.Module) -> tuple:
+    params = tuple((n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
+                   for n, t in block.named_parameters())
+    buffers = tuple((n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
+                    for n, t in block.named_buffers())
+    attrs = tuple((n, type(m).__name__, _attrs(m)) for n, m in block.named_modules())
+    return params, buffers, attrs
+
+
+def _attrs(mod: torch.nn.Module) -> tuple:
+    return tuple(sorted((k, _value(v, _ATTR_DEPTH)) for k, v in vars(mod).items()
+                        if k not in _MODULE_INTERNALS))
+
+
+def _value(v: Any, depth: int) -> Any:
+    """A comparable stand-in for an attribute: plain values by value, tensors and opaque
+    objects by identity (two blocks holding different tensors do not trace alike)."""
+    if v is None or isinstance(v, bool | int | float | str | torch.dtype | torch.device):
+        return v
+    if isinstance(v, tuple | list):
+        return (type(v).__name__, tuple(_value(x, depth) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((repr(k), _value(x, depth)) for k, x in v.items())))
+    if isinstance(v, (torch.Tensor, torch.nn.Module, *_FUNCTIONS)) or depth == 0:
+        return ("id", id(v))
+    fields = getattr(v, "__dict__", None)
+    if fields is None:
+        return ("id", id(v))
+    return (type(v).__qualname__,
+            tuple(sorted((k, _value(x, depth - 1)) for k, x in fields.items())))
+
+
+@contextmanager
+def _standing_in(groups: list[_Group], model: torch.nn.Module) -> Iterator[_Registry]:
+    """Put a parameterless stand-in in each grouped block's place while tracing: the trace
+    then neither walks the blocks nor lifts their parameters (torch.export's bookkeeping
+    grows with the square of the parameter count)."""
+    registry = _Registry()
+    swapped: list[tuple[torch.nn.ModuleList, int, torch.nn.Module]] = []
+    _ACTIVE.append(registry)
+    try:
+        for g, group in enumerate(groups):
+            for path in group.paths:
+                head, _, index = path.rpartition(".")
+                container = model.get_submodule(head)
+                block = container[int(index)]
+                instance = len(registry.paths)
+                registry.paths[instance] = path
+                container[int(index)] = _StandIn(block, _stand_in(registry, g, instance, block))
+                swapped.append((container, int(index), block))
+        yield registry
+    finally:
+        for container, index, block in swapped:
+            container[index] = block
+        _ACTIVE.remove(registry)
+
+
+class _StandIn(torch.nn.Module):
+    """A block's place-holder during the outer trace: calls the opaque op; other attributes
+    read through to the block."""
+
+    def __init__(self, block: torch.nn.Module, forward: Any) -> None:
+        super().__init__()
+        object.__setattr__(self, "_kopt_block", block)
+        object.__setattr__(self, "_kopt_forward", forward)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kopt_forward(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_kopt_block"), name)
+
+
+def _stand_in(registry: _Registry, group: int, instance: int, block: torch.nn.Module) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        key = registry.key(group, block, spec, flat)
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        outs = iter(torch.ops.kopt.repeated_block(tensors, key, instance))
+        call = registry.calls[key]
+        leaves = [next(outs) if len(m) == 4 else m[0] for m in call.out_leaves]
+        return pytree.tree_unflatten(leaves, call.out_spec)
+    return forward
+
+
+@dataclass
+class Repeated:
+    """How a capture used repeated blocks (the report's line)."""
+
+    instances: int  # block calls instantiated from a traced block
+    traced: int  # blocks traced
+    paths: list[str]
+
+    def describe(self) -> str:
+        return (f"repeated blocks {_compact(self.paths)}: {self.traced} "
+                f"trace{'s' if self.traced != 1 else ''} for {self.instances} calls")
+
+
+def _compact(paths: list[str]) -> str:
+    """``transformer_blocks.{0..59}, single_transformer_blocks.{0..19}``."""
+    by_list: dict[str, list[str]] = {}
+    for p in paths:
+        by_list.setdefault(p.rpartition(".")[0], []).append(p)
+    return ", ".join(compact_paths(ps) for ps in by_list.values())
+
+
+def trace_with_stand_ins(
+    model: torch.nn.Module, args: tuple, kwargs: dict, export: Any,
+) -> tuple[fx.GraphModule, _Registry] | None:
+    """``export(model, args, kwargs)`` (returning a GraphModule) with the repeated blocks
+    standing in as opaque ops; ``None`` where the model has no repeated blocks."""
+    groups = find_groups(model)
+    if not groups:
+        return None
+    with _standing_in(groups, model) as registry:
+        gm = export(model, args, kwargs)
+    return gm, registry
+
+
+def instantiate(
+    gm: fx.GraphModule, registry: _Registry, model: torch.nn.Module, export: Any,
+) -> Repeated:
+    """Replace every stand-in op of ``gm`` by its block's traced graph, reading the instance's
+    own parameters. ``export(block, args, kwargs)`` traces one block (kopt's flat IR)."""
+    ops = [n for n in gm.graph.nodes if n.target is torch.ops.kopt.repeated_block.default]
+    if not ops:
+        return Repeated(0, 0, [])
+    mode = fake_mode_of(gm)
+    traces: dict[int, _Trace] = {}
+    anchor = next(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr"))
+    for op in ops:
+        xs, key, instance = op.args
+        if key not in traces:
+            call = registry.calls[key]
+            values = [x.meta["val"] for x in xs]
+            block_gm = export(call.block, *_rebuild(call, values))
+            traces[key] = _Trace(block_gm, mode, call)
+        _inline(gm, op, traces[key], registry.paths[instance], anchor, model)
+    gm.graph.eliminate_dead_code()
+    return Repeated(len(ops), len(traces), [registry.paths[op.args[2]] for op in ops])
+
+
+class _Trace:
+    """One block's traced graph, with its values moved into the outer graph's fake mode."""
+
+    def __init__(self, block_gm: fx.GraphModule, mode: Any, call: _Call) -> None:
+        self.gm = block_gm
+        self.call = call
+        self.vals: dict[fx.Node, Any] = {}
+        for node in block_gm.graph.nodes:
+            if "val" in node.meta:
+                self.vals[node] = pytree.tree_map_only(
+                    torch.Tensor, lambda v: mode.from_tensor(v, static_shapes=True),
+                    node.meta["val"])
+        own = {id(t): n for n, t in (*call.block.named_parameters(),
+                                     *call.block.named_buffers())}
+        self.attrs: dict[str, str | None] = {}  # block attribute -> instance-relative name
+        for node in block_gm.graph.nodes:
+            if node.op == "get_attr":
+                value = _get(block_gm, node.target)
+                self.attrs[node.target] = own.get(id(value))
+        tensor_out = [i for i, m in enumerate(call.out_leaves) if len(m) == 4]
+        out = next(n for n in block_gm.graph.nodes if n.op == "output")
+        flat_out = list(out.args[0])
+        self.outputs = [flat_out[i] for i in tensor_out]
+        self.placeholders = [n for n in block_gm.graph.nodes if n.op == "placeholder"]
+
+
+def _get(mod: torch.nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        mod = getattr(mod, part)
+    return mod
+
+
+def _inline(gm: fx.GraphModule, op: fx.Node, trace: _Trace, path: str,
+            anchor: fx.Node, model: torch.nn.Module) -> None:
+    args, kwargs = _rebuild(trace.call, list(op.args[0]))
+    leaves, _ = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))  # the block's order
+    env: dict[fx.Node, Any] = dict(zip(trace.placeholders, leaves, strict=True))
+    outer_stack = {k: v for k, v in (op.meta.get("nn_module_stack") or {}).items()
+                   if v[0] != path}  # the stand-in's own entry: the block's class instead
+    outer_stack[f"L__self__{path}"] = (path, _qualname(type(trace.call.block)))
+    stacks: dict[int, dict] = {}
+    for node in trace.gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            env[node] = _instance_attr(gm, node, trace, path, anchor, model)
+            continue
+        with gm.graph.inserting_before(op):
+            new = gm.graph.node_copy(node, lambda n: env[n])
+        meta = dict(node.meta)
+        if node in trace.vals:
+            meta["val"] = trace.vals[node]
+        inner = node.meta.get("nn_module_stack")
+        if inner:
+            k = id(inner)
+            if k not in stacks:
+                stacks[k] = {**outer_stack, **{
+                    f"L__self__{path}.{p}": (f"{path}.{p}", t)
+                    for p, t in inner.values() if p}}
+            meta["nn_module_stack"] = stacks[k]
+        new.meta = meta
+        env[node] = new
+    for user in list(op.users):
+        if user.target is not operator.getitem:
+            raise NotRepeatable(f"its stand-in is used by {user.format_node()}")
+        user.replace_all_uses_with(env[trace.outputs[user.args[1]]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(op)
+
+
+def _instance_attr(gm: fx.GraphModule, node: fx.Node, trace: _Trace, path: str,
+                   anchor: fx.Node, model: torch.nn.Module) -> fx.Node:
+    """A ``get_attr`` of the instance's own parameter, or of the traced block's constant
+    (computed alike in every instance: shared)."""
+    rel = trace.attrs[node.target]
+    if rel is not None:
+        target = f"{path}.{rel}"
+        if not _has(gm, target):  # the outer trace never saw the block: attach its tensor
+            _attach(gm, target, _get(model, target))
+    else:
+        target = f"_kopt_repeated_{id(trace)}_{node.target.replace('.', '_')}"
+        if not hasattr(gm, target):
+            value = _get(trace.gm, node.target)
+            if isinstance(value, torch.nn.Parameter):
+                gm.register_parameter(target, value)
+            elif isinstance(value, torch.Tensor):
+                gm.register_buffer(target, value)
+            else:
+                setattr(gm, target, value)
+    with gm.graph.inserting_before(anchor):
+        new = gm.graph.get_attr(target)
+    new.meta = dict(node.meta)
+    if node in trace.vals:
+        new.meta["val"] = trace.vals[node]
+    return new
+
+
+def _attach(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Register the model's own tensor (shared, not copied) at ``target`` under ``gm``,
+    making the intermediate modules as ``ExportedProgram.module()`` does."""
+    *parents, name = target.split(".")
+    mod: torch.nn.Module = gm
+    for part in parents:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(value, torch.nn.Parameter):
+        mod.register_parameter(name, value)
+    else:
+        mod.register_buffer(name, value)
+
+
+def _has(mod: torch.nn.Module, target: str) -> bool:
+    try:
+        _get(mod, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,166 @@
+"""Repeated blocks traced once (kopt.repeated): the same graph as a whole-model trace, node for
+node, and the same optimized graph; blocks that must not share a trace do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+from kopt.api import optimize_captured
+from kopt.capture import capture_module
+from kopt.graph import module_path
+from kopt.models import build
+from kopt.passes import FP8Config, PassConfig
+from kopt.repeated import find_groups
+from kopt.verify import VerifyOptions
+
+
+def _structure(gm: fx.GraphModule) -> list[tuple]:
+    """Every computing node in order: op, target, inputs (placeholders by position, weights by
+    name, nodes by position), value shape and dtype, module path."""
+    names: dict[fx.Node, str] = {}
+    inputs = 0
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            names[n] = f"input{inputs}"
+            inputs += 1
+        elif n.op == "get_attr":
+            names[n] = f"attr:{n.target}"
+        else:
+            names[n] = f"node{len(out)}"
+            args = fx.node.map_arg((n.args, n.kwargs), lambda x: names[x])
+            val = n.meta.get("val")
+            out.append((n.op, str(n.target), str(args),
+                        (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None,
+                        module_path(n)))
+    return out
+
+
+def _run(cap) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return list(cap.gm(*cap.example_inputs))
+
+
+@pytest.mark.parametrize("name, traces", [("qwen-image-tiny", 1), ("flux2-tiny", 2)])
+def test_repeated_blocks_give_the_whole_model_trace_node_for_node(name, traces):
+    w = build(name, dtype=torch.float32)
+    once = capture_module(w.model, w.args, w.kwargs)
+    whole = capture_module(w.model, w.args, w.kwargs, repeated=False)
+    assert once.repeated is not None and whole.repeated is None
+    assert once.repeated.traced == traces
+    assert once.repeated.instances == sum(len(g.paths) for g in find_groups(w.model))
+    assert _structure(once.gm) == _structure(whole.gm)
+    for a, b in zip(_run(once), _run(whole), strict=True):
+        assert torch.equal(a, b)
+    # each instance reads its own weights, the model's tensors themselves
+    block1 = w.model.transformer_blocks[1]
+    name1 = next(n for n, _ in block1.named_parameters())
+    assert once.gm.get_parameter(f"transformer_blocks.1.{name1}") is block1.get_parameter(name1)
+
+
+def test_the_optimized_graphs_are_the_same_with_and_without_repeated_blocks():
+    w = build("qwen-image-tiny", dtype=torch.float32)
+    config = PassConfig(fuse_allreduce_norm=False).replace(fp8=FP8Config())
+    off = VerifyOptions(enabled=False)
+    specs = [optimize_captured(capture_module(w.model, w.args, w.kwargs, repeated=r), config,
+                               off, None, w.name, 0.0) for r in (True, False)]
+    assert "repeated blocks transformer_blocks.{0,1}: 1 trace for 2 calls" in str(specs[0].report)
+    assert "repeated blocks" not in str(specs[1].report)
+    assert specs[0].report.applied == specs[1].report.applied > 0
+    assert _structure(specs[0].gm) == _structure(specs[1].gm)
+    example = capture_module(w.model, w.args, w.kwargs).example_inputs
+    with torch.no_grad():
+        for a, b in zip(specs[0].gm(*example), specs[1].gm(*example), strict=True):
+            assert torch.equal(a, b)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, index: int = 0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * scale + self.index
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module], scales: list[float] | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(blocks)
+        self.scales = scales or [1.0] * len(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block, s in zip(self.blocks, self.scales, strict=True):
+            x = block(x, scale=s)
+        return x
+
+
+def _check_same(model: nn.Module, x: torch.Tensor) -> object:
+    once = capture_module(model, (x,))
+    whole = capture_module(model, (x,), repeated=False)
+    assert _structure(once.gm) == _structure(whole.gm)
+    assert torch.equal(once.gm(x)[0], model(x))
+    assert all(isinstance(b, _Block | _Mutating | _Alias) for b in model.blocks)  # restored
+    return once.repeated
+
+
+def test_blocks_with_different_attributes_are_not_grouped():
+    torch.manual_seed(0)
+    same = _Stack([_Block(8) for _ in range(3)])
+    differ = _Stack([_Block(8, index=i) for i in range(3)])  # a per-layer index changes the trace
+    assert [g.paths for g in find_groups(same)] == [["blocks.0", "blocks.1", "blocks.2"]]
+    assert find_groups(differ) == []
+    x = torch.randn(4, 8)
+    assert _check_same(same, x).traced == 1
+    assert _check_same(differ, x) is None
+
+
+def test_calls_with_other_python_arguments_get_their_own_trace():
+    torch.manual_seed(0)
+    model = _Stack([_Block(8) for _ in range(4)], scales=[1.0, 2.0, 1.0, 2.0])
+    rep = _check_same(model, torch.randn(4, 8))
+    assert (rep.traced, rep.instances) == (2, 4)
+
+
+def test_blocks_with_hooks_or_another_width_are_not_grouped():
+    torch.manual_seed(0)
+    hooked = _Stack([_Block(8) for _ in range(2)])
+    hooked.blocks[1].lin.register_forward_hook(lambda m, i, o: o * 2)
+    assert find_groups(hooked) == []
+    assert _check_same(hooked, torch.randn(4, 8)) is None
+    mixed = _Stack([_Block(8), nn.Sequential(nn.Linear(8, 8))])
+    assert find_groups(mixed) == []
+
+
+class _Mutating(_Block):
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(x, scale)
+
+
+class _Alias(_Block):
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("cls", [_Mutating, _Alias])
+def test_a_block_that_cannot_stand_for_its_siblings_is_traced_with_the_model(cls, caplog):
+    torch.manual_seed(0)
+    model = _Stack([cls(8) for _ in range(2)])
+    x = torch.randn(4, 8)
+    with caplog.at_level("INFO", logger="kopt"):
+        once = capture_module(model, (x,))
+    assert once.repeated is None
+    assert "repeated blocks traced with the whole model" in caplog.text
+    whole = capture_module(model, (x,), repeated=False)
+    assert _structure(once.gm) == _structure(whole.gm)
+    assert all(type(b) is cls for b in model.blocks)  # the stand-ins are gone
