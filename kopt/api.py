@@ -31,6 +31,7 @@ from kopt.cudagraphs import (
 from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
 from kopt.graph.regions import CachedRegion, cached_regions
+from kopt.memory import MemoryHeld, memory_held
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
 from kopt.passes.pipeline import format_pass_line
@@ -405,7 +406,17 @@ class OptimizedModule:
         self._refresh_report(spec)
 
     def _refresh_report(self, spec: _Specialization) -> None:
-        spec.report.runtime[:] = spec.runtime_lines(self.cuda_graphs)
+        spec.report.runtime[:] = [*spec.runtime_lines(self.cuda_graphs),
+                                  self.memory().describe()]
+
+    def memory(self) -> MemoryHeld:
+        """What this module holds now, by kind (:mod:`kopt.memory`): the model's weights its
+        graphs read, packed constants, hoisted caches, the CUDA-graph pool, and the model's
+        weights only the original model reads."""
+        graphs = [s.gm for s in self._specs.values()]
+        graphs += [s.plan.gm for s in self._specs.values() if s.plan is not None]
+        pool = pool_bytes(self._pool) if self._pool is not None else None
+        return memory_held(self.original, graphs, pool)
 
     def clear_caches(self) -> None:
         """Empty every hoisted region's cache (a new denoising loop: entries of the last run

@@ -45,6 +45,7 @@ from kopt.api import (
 from kopt.capture import capture_dynamo
 from kopt.cudagraphs import pool_bytes
 from kopt.errors import CaptureError, KoptError
+from kopt.memory import memory_held
 from kopt.passes import PassConfig
 from kopt.verify import VerifyOptions
 
@@ -157,7 +158,7 @@ def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs:
     # CUDA graph
     body = spec.gm if opts.inner == "eager" else compiled
     runner = Runner(body, spec, runtime_idx, static_idx, example_inputs, opts.cuda_graphs)
-    spec.report.runtime[:] = spec.runtime_lines(opts.cuda_graphs)
+    runner.refresh_report()
     return runner
 
 
@@ -201,7 +202,7 @@ class Runner:
         off = spec.graphs_off
         if not graphs_allowed(spec, self.compiled, flat, self.cuda_graphs):
             if spec.graphs_off != off:
-                spec.report.runtime[:] = spec.runtime_lines(self.cuda_graphs)
+                self.refresh_report()
             return spec.captured.unflatten_outputs(self.compiled(*flat))
         device = next(a.device for a in flat if isinstance(a, torch.Tensor) and a.is_cuda)
         pool = _pool(device)
@@ -211,8 +212,16 @@ class Runner:
             if captured:
                 held = pool_bytes(pool)
                 spec.pool_mib = None if held is None else held / 2**20
-            spec.report.runtime[:] = spec.runtime_lines(self.cuda_graphs)
+            self.refresh_report()
         return spec.captured.unflatten_outputs(out)
+
+    def refresh_report(self) -> None:
+        """The report's lines on how this graph runs and what it holds."""
+        spec = self.spec
+        pool = None if spec.pool_mib is None else int(spec.pool_mib * 2**20)
+        held = memory_held([t for _, t in self.static if isinstance(t, torch.Tensor)],
+                           [spec.gm], pool)
+        spec.report.runtime[:] = [*spec.runtime_lines(self.cuda_graphs), held.describe()]
 
 
 class PerWeights:

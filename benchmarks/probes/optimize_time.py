@@ -23,6 +23,7 @@ import torch
 
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
+from kopt.memory import memory_held
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
 from kopt.verify import VerifyOptions
@@ -44,6 +45,7 @@ def main() -> None:
     s0 = time.perf_counter()
     w = build(args.model, device=args.device, dtype=torch.bfloat16)
     print(f"{w.name}: built on {args.device} in {time.perf_counter() - s0:.1f} s", flush=True)
+    weights = sum(t.nbytes for t in (*w.model.parameters(), *w.model.buffers()))
     if args.whole:
         s0 = time.perf_counter()
         whole = capture_module(w.model, w.args, w.kwargs, repeated=False)
@@ -83,6 +85,13 @@ def main() -> None:
           f"left, {type(spec.gm).__mro__[1].__name__}; verification "
           f"{'on ' + str(args.verify) + ' seeds' if args.verify else 'off'}, "
           f"{'passed' if spec.report.verified else 'FAILED'})")
+    if args.device != "meta":
+        held = memory_held(w.model, [spec.gm], None)
+        print(f"{w.name}: {held.describe()}; without the original's own copies "
+              f"{held.optimized / 2**30:.2f} GiB")
+    if args.device.startswith("cuda"):
+        print(f"{w.name}: peak GPU memory allocated {torch.cuda.max_memory_allocated() / 2**30:.2f}"
+              f" GiB, the model's weights {weights / 2**30:.2f} GiB")
     if prof is not None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile)
 
