@@ -164,3 +164,16 @@ def test_a_block_that_cannot_stand_for_its_siblings_is_traced_with_the_model(cls
     whole = capture_module(model, (x,), repeated=False)
     assert _structure(once.gm) == _structure(whole.gm)
     assert all(type(b) is cls for b in model.blocks)  # the stand-ins are gone
+
+
+@pytest.mark.parametrize("name", ["flux1", "pixart-sigma", "sana", "wan2.1"])
+def test_zoo_dits_trace_their_blocks_once_to_the_same_graph(name):
+    from kopt.models.zoo import build as build_zoo
+
+    w = build_zoo(name)
+    once = capture_module(w.model, w.args, w.kwargs)
+    whole = capture_module(w.model, w.args, w.kwargs, repeated=False)
+    assert once.repeated is not None and once.repeated.instances >= 2
+    assert _structure(once.gm) == _structure(whole.gm)
+    for a, b in zip(_run(once), _run(whole), strict=True):
+        assert torch.equal(a, b)
