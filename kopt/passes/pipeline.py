@@ -9,11 +9,13 @@ is not applied, with the prediction as the reason.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,6 +120,12 @@ class PassManager:
         return h.hexdigest()[:16]
 
     def run(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> tuple[fx.GraphModule, list[PassResult]]:
+        with _collector_skips_what_lives_already():
+            return self._run(gm, example_inputs)
+
+    def _run(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> tuple[fx.GraphModule, list[PassResult]]:
         results: list[PassResult] = []
@@ -270,6 +278,23 @@ class PassManager:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         text = gm.print_readable(print_output=False, include_stride=False, include_device=True)
         (self.dump_dir / f"{stem}.py").write_text(text)
+
+
+@contextmanager
+def _collector_skips_what_lives_already() -> Iterator[None]:
+    """Keep the objects alive before the passes (the model, the captured graph: W1's 11650
+    nodes and their metadata) out of the garbage collector's full passes while the pipeline
+    copies graphs: 10-20% of W1's pass time on the CPU (RESULTS.md, 2026-12-05). Garbage made
+    during the passes is collected as usual. Left alone where the caller froze objects itself
+    (``gc.freeze`` before a fork)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def format_pass_line(r: PassResult) -> str:

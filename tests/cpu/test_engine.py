@@ -151,3 +151,24 @@ def test_pattern_graphs_are_dumped(tmp_path) -> None:  # noqa: ANN001
     text = (tmp_path / "patterns" / "double_neg.txt").read_text()
     assert text.count("torch.ops.aten.neg.default") == 2 and "numerics: exact" in text
     assert (tmp_path / "01_p.py").exists() and (tmp_path / "00_captured.py").exists()
+
+
+def test_the_pipeline_leaves_the_collector_as_it_found_it():
+    import gc
+
+    from kopt.passes.pipeline import _collector_skips_what_lives_already
+
+    gc.unfreeze()
+    with _collector_skips_what_lives_already():
+        assert gc.get_freeze_count() > 0  # what lived before the passes is frozen
+    assert gc.get_freeze_count() == 0
+    keep = [object() for _ in range(10)]
+    gc.freeze()  # the caller's own freeze (before a fork) is left alone
+    before = gc.get_freeze_count()
+    try:
+        with _collector_skips_what_lives_already():
+            pass
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+    del keep
