@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from kopt.graph.query import compact_paths, fake_mode_of
+from kopt.graph.query import attr, compact_paths, fake_mode_of
 
 log = logging.getLogger("kopt")
 
@@ -62,7 +62,6 @@ class _Call:
 @dataclass
 class _Group:
     paths: list[str]  # the instances' module paths, in list order
-    members: dict[int, str]  # id(module) -> path
 
 
 class _Registry:
@@ -140,7 +139,7 @@ def find_groups(model: torch.nn.Module, min_size: int = 2) -> list[_Group]:
             continue
         prefix = f"{path}." if path else ""
         paths = [f"{prefix}{i}" for i in range(len(children))]
-        groups.append(_Group(paths, {id(c): p for c, p in zip(children, paths, strict=True)}))
+        groups.append(_Group(paths))
         taken += paths
     return groups
 
@@ -317,19 +316,13 @@ class _Trace:
         self.attrs: dict[str, str | None] = {}  # block attribute -> instance-relative name
         for node in block_gm.graph.nodes:
             if node.op == "get_attr":
-                value = _get(block_gm, node.target)
+                value = attr(block_gm, node.target)
                 self.attrs[node.target] = own.get(id(value))
         tensor_out = [i for i, m in enumerate(call.out_leaves) if len(m) == 4]
         out = next(n for n in block_gm.graph.nodes if n.op == "output")
         flat_out = list(out.args[0])
         self.outputs = [flat_out[i] for i in tensor_out]
         self.placeholders = [n for n in block_gm.graph.nodes if n.op == "placeholder"]
-
-
-def _get(mod: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        mod = getattr(mod, part)
-    return mod
 
 
 def _inline(gm: fx.GraphModule, op: fx.Node, trace: _Trace, path: str,
@@ -378,11 +371,11 @@ def _instance_attr(gm: fx.GraphModule, node: fx.Node, trace: _Trace, path: str,
     if rel is not None:
         target = f"{path}.{rel}"
         if not _has(gm, target):  # the outer trace never saw the block: attach its tensor
-            _attach(gm, target, _get(model, target))
+            _attach(gm, target, attr(model, target))
     else:
         target = f"_kopt_repeated_{id(trace)}_{node.target.replace('.', '_')}"
         if not hasattr(gm, target):
-            value = _get(trace.gm, node.target)
+            value = attr(trace.gm, node.target)
             if isinstance(value, torch.nn.Parameter):
                 gm.register_parameter(target, value)
             elif isinstance(value, torch.Tensor):
@@ -414,7 +407,7 @@ def _attach(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
 
 def _has(mod: torch.nn.Module, target: str) -> bool:
     try:
-        _get(mod, target)
+        attr(mod, target)
     except AttributeError:
         return False
     return True
