@@ -247,8 +247,8 @@ def _check_device_model(choice: str) -> None:
                                      and known_device(choice) is not None):
         return
     if not Path(choice).is_file():
-        raise UsageError(f"--device-model {choice!r}: not auto, fit, a known device (h200) or "
-                         "a JSON file")
+        raise UsageError(f"--device-model {choice!r}: not auto, fit, a known device (h200, "
+                         "h100) or a JSON file")
     try:
         DeviceModel.load(choice)
     except (OSError, ValueError) as exc:

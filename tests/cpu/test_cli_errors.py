@@ -173,8 +173,8 @@ def test_bad_device_model(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     cases = [
-        ("nosuch", "--device-model 'nosuch': not auto, fit, a known device (h200) or a JSON"),
-        (str(tmp_path / "missing.json"), "not auto, fit, a known device (h200) or a JSON file"),
+        ("nosuch", "--device-model 'nosuch': not auto, fit, a known device (h200, h100) or a JSON"),
+        (str(tmp_path / "missing.json"), "a known device (h200, h100) or a JSON file"),
         (str(tmp_path / "bad.json"), "not a DeviceModel: Expecting ',' delimiter"),
         (str(tmp_path / "fields.json"), "not a DeviceModel: unknown fields bogus; missing "
                                         "fields bandwidth_gbs, peak_tflops (a DeviceModel has"),

@@ -27,6 +27,7 @@ from kopt.cost import (
     DeviceModel,
     count_graph,
     fit,
+    known_device,
     measure,
 )
 from kopt.cost.calibrate import fit_counted, nnls
@@ -109,6 +110,17 @@ def llm() -> tuple[Any, Any]:
     w = build("llm-tiny")
     cap = capture_module(w.model, w.args, w.kwargs)
     return cap, optimize_captured(cap, FP8, OFF, None, "llm-tiny", 0.0)
+
+
+def test_known_devices_by_the_names_cuda_reports() -> None:
+    """The H100 SXM shares the H200's tensor-core peaks at less bandwidth; an H100 PCIe (other
+    peaks) or an unknown GPU is no known device, never an H200's or an SXM's numbers."""
+    h100 = known_device("NVIDIA H100 80GB HBM3")
+    assert h100 is not None and h100.peak_tflops == H200.peak_tflops
+    assert h100.bandwidth_gbs < H200.bandwidth_gbs
+    assert known_device("NVIDIA H200").name == H200.name
+    assert known_device("NVIDIA H100 PCIe") is None
+    assert known_device("NVIDIA A100-SXM4-80GB") is None
 
 
 @pytest.mark.parametrize("name", ["qwen-image-tiny", "llm-tiny"])
