@@ -240,8 +240,14 @@ class _LocalCheck(fx.Interpreter):
         super().__init__(gm)
         # Keep only the values a reference reads: holding every activation of a full model
         # until the end of the run would not fit a GPU.
-        self.needed = {a for n in gm.graph.nodes if LOCAL_REFERENCE in n.meta
-                       for a in n.meta[LOCAL_REFERENCE][1] if a is not None}
+        # ... and only until the last reference that reads them (W1: the inputs of 480 FP8
+        # sites, activations and merged weights, would otherwise all live to the end).
+        self.last_reader: dict[str, str] = {}
+        for n in gm.graph.nodes:
+            for a in n.meta.get(LOCAL_REFERENCE, (None, ()))[1]:
+                if a is not None:
+                    self.last_reader[a] = n.name
+        self.needed = set(self.last_reader)
         self.by_name: dict[str, Any] = {}
         self.worst = (0.0, "")
 
@@ -258,6 +264,10 @@ class _LocalCheck(fx.Interpreter):
                 err = float("inf")
             if err >= self.worst[0]:
                 self.worst = (err, n.name)
+            del args
+            for a in names:
+                if a is not None and self.last_reader[a] == n.name:
+                    self.by_name.pop(a, None)
         return result
 
 

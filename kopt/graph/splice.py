@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import heapq
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from kopt.graph.query import fake_mode_of
@@ -82,8 +84,84 @@ def infer_meta(gm: fx.GraphModule, node: fx.Node) -> None:
 
     args = pytree.tree_map(to_fake, node.args)
     kwargs = pytree.tree_map(to_fake, node.kwargs)
+    node.meta["val"] = fake_call(mode, node.target, args, kwargs)
+
+
+# (target, inputs' metadata) -> the outputs' metadata, per fake mode: see :func:`fake_call`
+_OUTPUTS_BY_MODE: weakref.WeakKeyDictionary[FakeTensorMode, dict[tuple, Any]] = \
+    weakref.WeakKeyDictionary()
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+          torch.layout)
+
+
+def fake_call(mode: FakeTensorMode, target: Any, args: Sequence[Any] = (),
+              kwargs: Mapping[str, Any] | None = None) -> Any:
+    """``target(*args, **kwargs)`` on fake tensors in ``mode``, remembered by the inputs'
+    metadata for functional ops (no input written, no output aliasing an input).
+
+    The passes build the same call for every instance of a repeated block (W1: 60 blocks, each
+    with 8 FP8 linears), and the fake mode's own cache hashes each call's arguments anew. For an
+    op whose outputs are fresh tensors, equal shapes, strides, dtypes and devices in (and equal
+    Python arguments) give equal metadata out, so a remembered call makes new fake tensors of
+    that metadata instead of running the op's fake implementation again."""
+    kwargs = dict(kwargs or {})
+    key = _call_key(target, args, kwargs)
+    memo = _OUTPUTS_BY_MODE.setdefault(mode, {}) if key is not None else None
+    if memo is not None and key in memo:
+        spec, leaves = memo[key]
+        with mode:
+            made = [torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device=leaf[4]) if
+                    isinstance(leaf, tuple) and leaf[:1] == ("T",) else leaf for leaf in leaves]
+        return pytree.tree_unflatten(made, spec)
     with mode:
-        node.meta["val"] = node.target(*args, **kwargs)
+        out = target(*args, **kwargs)
+    if memo is not None:
+        leaves, spec = pytree.tree_flatten(out)
+        described = [_describe(leaf) for leaf in leaves]
+        if all(leaf is None or (d is not None and (not isinstance(leaf, torch.Tensor)
+                                                   or d[5] == 0))  # fresh outputs only
+               for d, leaf in zip(described, leaves, strict=True)):
+            memo[key] = (spec, described)
+    return out
+
+
+def _describe(x: Any) -> Any:
+    """A fake tensor's (``"T"``, shape, stride, dtype, device, storage offset); a plain value
+    as it is; None for anything else (symbolic sizes, other objects: not remembered)."""
+    if isinstance(x, torch.Tensor):
+        if not isinstance(x, FakeTensor) or any(
+                not isinstance(d, int) for d in (*x.shape, *x.stride(), x.storage_offset())):
+            return None
+        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.storage_offset())
+    return x if isinstance(x, _PLAIN) else None
+
+
+def _call_key(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple | None:
+    """The memo key of a functional op's call, None where the call is not remembered."""
+    if not isinstance(target, torch._ops.OpOverload) or not _functional(target):
+        return None
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+    described = []
+    for leaf in leaves:
+        d = _describe(leaf)
+        if d is None and leaf is not None:
+            return None
+        described.append(d)
+    return (target, str(spec), tuple(described))
+
+
+_FUNCTIONAL: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _functional(op: torch._ops.OpOverload) -> bool:
+    """No argument written or aliased by an output, and no nondeterministic or random op."""
+    known = _FUNCTIONAL.get(op)
+    if known is None:
+        schema = op._schema
+        known = (not any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
+                 and torch.Tag.nondeterministic_seeded not in op.tags)
+        _FUNCTIONAL[op] = known
+    return known
 
 
 def inline_graph(

@@ -57,6 +57,7 @@ from kopt.graph import (
     bias_add_operands,
     constant_nodes,
     describe_node,
+    fake_call,
     fake_mode_of,
     infer_meta,
     is_tensor_node,
@@ -499,8 +500,9 @@ def plan(gm: fx.GraphModule, site: Site, intermediates: str = "eager") -> Plan |
             modulation=modulation is not None, epilogue=epilogue, outputs=tuple(outputs),
             intermediates=intermediates)
         ordered = {name: inputs[name] for name in spec.input_names()}
-        with fake_mode_of(gm):  # the op's own checks (shapes, batch sizes, dtypes)
-            ROWWISE([tensor_meta(n) for n in ordered.values()], spec.to_json())
+        # the op's own checks (shapes, batch sizes, dtypes); remembered for equal metadata
+        fake_call(fake_mode_of(gm), ROWWISE,
+                  ([tensor_meta(n) for n in ordered.values()], spec.to_json()))
     except RowwiseError as exc:
         return str(exc)
     return Plan(spec, ordered)

@@ -3,6 +3,7 @@ reasons, benefit orders rewrites, uuids track code and config."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx, nn
 
@@ -172,3 +173,65 @@ def test_the_pipeline_leaves_the_collector_as_it_found_it():
     finally:
         gc.unfreeze()
     del keep
+
+
+class _RaisesHalfway(RewritePass):
+    """Rewrites its sites, then raises: a bug that leaves the graph it ran on half rewritten."""
+
+    def run(self, gm, sites=None):  # noqa: ANN001, ANN201
+        super().run(gm, sites)
+        raise RuntimeError("a bug in the pass")
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_pass_that_raises_is_left_out_with_or_without_snapshots(verify, monkeypatch) -> None:  # noqa: ANN001
+    """Without verification the passes share one copy of the captured graph (no snapshot per
+    pass); a pass that raises there, after rewriting part of it, must still be left out as
+    with a snapshot per pass, and the captured graph stays as captured either way."""
+    from kopt.passes import pipeline
+    from kopt.verify import VerifyOptions
+
+    monkeypatch.delenv(pipeline.STRICT, raising=False)
+    gm = _graph(lambda x: torch.neg(torch.neg(x)) * 0.5 + torch.neg(x), (4,))
+    captured = _targets(gm)
+    manager = PassManager(PassConfig(), VerifyOptions(enabled=verify))
+    manager.passes = [_RaisesHalfway("broken", [NEG_TO_MUL]),
+                      RewritePass("double_neg", [DOUBLE_NEG])]
+    out, results = manager.run(gm, [torch.randn(4)])
+    assert _targets(gm) == captured
+    assert [r.name for r in results] == ["broken", "double_neg"]
+    assert results[0].matched == 0 and "the pass raised RuntimeError" in str(results[0].verdict)
+    assert results[1].matched == 1
+    # the half-done rewrite (neg -> mul by -1) is not in the result; the other pass's is
+    assert _targets(out).count(aten.neg.default) == 1
+    x = torch.randn(4)
+    assert torch.equal(out(x)[0] if isinstance(out(x), (list, tuple)) else out(x),
+                       torch.neg(torch.neg(x)) * 0.5 + torch.neg(x))
+
+
+def test_fake_calls_of_equal_metadata_are_remembered_and_views_are_not() -> None:
+    """A functional op's fake call is remembered by its inputs' metadata: a second call makes
+    fresh fake tensors equal in metadata to what the op's fake implementation gives; other
+    strides are another call; a view (aliasing its input) is never remembered."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from kopt.graph import fake_call
+    from kopt.graph.splice import _OUTPUTS_BY_MODE
+
+    mode = FakeTensorMode()
+    with mode:
+        a = torch.empty(8, 16, dtype=torch.bfloat16)
+        b = torch.empty(16, 8, dtype=torch.bfloat16).t()  # other strides, same shape
+    first = fake_call(mode, aten.mul.Tensor, (a, 2.0))
+    again = fake_call(mode, aten.mul.Tensor, (a, 2.0))
+    assert len(_OUTPUTS_BY_MODE[mode]) == 1
+    assert isinstance(again, FakeTensor) and again is not first and again.fake_mode is mode
+    assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(),
+                                                           first.dtype)
+    other = fake_call(mode, aten.mul.Tensor, (b, 2.0))
+    with mode:
+        want = torch.mul(b, 2.0)
+    assert len(_OUTPUTS_BY_MODE[mode]) == 2 and other.stride() == want.stride()
+    split = fake_call(mode, aten.split.Tensor, (a, 4))
+    assert len(_OUTPUTS_BY_MODE[mode]) == 2  # a view: run every time
+    assert split[1].untyped_storage()._cdata == a.untyped_storage()._cdata

@@ -165,3 +165,32 @@ def test_bounded_tier_is_checked_per_site_and_catches_a_wrong_scale() -> None:
     after.recompile()
     verdict = compare(cap.gm, after, cap.example_inputs, rewrite.numerics, VerifyOptions())
     assert not verdict.passed and f"site {wrong.name}" in verdict.detail
+
+
+def test_the_per_site_check_keeps_a_site_input_only_until_its_last_reference() -> None:
+    """The bounded tier's per-site check holds the inputs its references read, each only until
+    the last site that reads it: a whole model's site inputs alive at once would not fit a
+    GPU. The projections of one input keep it alive until the last of them has run."""
+    from kopt.verify import LOCAL_REFERENCE, _LocalCheck
+
+    cap = capture_module(QKV(64, v_extra=0).eval(), (torch.randn(6, 64),))
+    after = copy_graph_module(cap.gm)
+    RewritePass("fp8", [fp8_linear(SMALL)]).run(after)
+    sites = [n for n in after.graph.nodes if LOCAL_REFERENCE in n.meta]
+    held: list[set[str]] = []
+
+    class Watching(_LocalCheck):
+        def run_node(self, n):  # noqa: ANN001, ANN202
+            out = super().run_node(n)
+            if n in sites:
+                held.append(set(self.by_name))
+            return out
+
+    check = Watching(after)
+    with torch.no_grad():
+        check.run(*cap.example_inputs)
+    x = sites[0].meta[LOCAL_REFERENCE][1][0]  # the input q, k and v share
+    readers = [i for i, s in enumerate(sites) if x in s.meta[LOCAL_REFERENCE][1]]
+    assert len(readers) >= 3
+    assert [x in h for h in held] == [i < readers[-1] for i in range(len(sites))]
+    assert check.by_name == {} and check.worst[1] in {s.name for s in sites}
