@@ -177,6 +177,10 @@ def _linear64(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
+# Site references computed with the weight upcast a block of columns at a time: an fp64 copy
+# of a whole merged weight would not fit a GPU (W1's merged modulation weight: 50.8 GiB).
+_BLOCKED_REFERENCES = {torch.nn.functional.linear: _linear64}
+
 _GEMMS = {
     _aten.mm.default: _mm64,
     _aten.addmm.default: lambda bias, a, b: _mm64(a, b, bias),
@@ -258,7 +262,11 @@ class _LocalCheck(fx.Interpreter):
         ref = n.meta.get(LOCAL_REFERENCE)
         if ref is not None:
             fn, names = ref
-            args = [None if a is None else _to64(self.by_name[a]) for a in names]
+            if fn in _BLOCKED_REFERENCES:  # upcasts its weight a block at a time itself
+                fn, args = _BLOCKED_REFERENCES[fn], [
+                    None if a is None else self.by_name[a] for a in names]
+            else:
+                args = [None if a is None else _to64(self.by_name[a]) for a in names]
             err = relative_error(result, fn(*args))
             if err != err:  # NaN: the worst there is
                 err = float("inf")

@@ -194,3 +194,40 @@ def test_the_per_site_check_keeps_a_site_input_only_until_its_last_reference() -
     assert len(readers) >= 3
     assert [x in h for h in held] == [i < readers[-1] for i in range(len(sites))]
     assert check.by_name == {} and check.worst[1] in {s.name for s in sites}
+
+
+def test_the_per_site_reference_upcasts_the_weight_a_block_at_a_time(monkeypatch) -> None:  # noqa: ANN001
+    """An FP8 linear's fp64 reference upcasts its weight a block of columns at a time, never
+    whole (W1's merged modulation weight is 50.8 GiB in fp64), and finds the error the whole
+    fp64 linear finds."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kopt import verify
+    from kopt.verify import LOCAL_REFERENCE, _LocalCheck
+
+    cap = capture_module(QKV(64, v_extra=0).eval(), (torch.randn(6, 64),))
+    after = copy_graph_module(cap.gm)
+    RewritePass("fp8", [fp8_linear(SMALL)]).run(after)
+    weights = [a.meta["val"].numel() for n in after.graph.nodes if LOCAL_REFERENCE in n.meta
+               for a in after.graph.nodes if a.name == n.meta[LOCAL_REFERENCE][1][1]]
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.dtype == torch.float64:
+                Largest.most = max(Largest.most, out.numel())
+            return out
+
+    monkeypatch.setattr(verify, "GEMM_CHUNK_BYTES", 8 * 64 * 16)  # 16 columns of 64 at a time
+    blocked = _LocalCheck(after)
+    with torch.no_grad(), Largest():
+        blocked.run(*cap.example_inputs)
+    assert 0 < Largest.most < min(weights)
+    monkeypatch.setattr(verify, "_BLOCKED_REFERENCES", {})
+    whole = _LocalCheck(after)
+    with torch.no_grad():
+        whole.run(*cap.example_inputs)
+    assert whole.worst[1] == blocked.worst[1]
+    assert blocked.worst[0] == pytest.approx(whole.worst[0], rel=1e-9)
