@@ -57,7 +57,7 @@ def test_runs_are_named_by_date_and_machine_not_by_internal_labels() -> None:
     for doc in docs:
         for number, line in enumerate(doc.read_text().splitlines(), 1):
             assert not LABEL.search(line), f"{doc.relative_to(ROOT)}:{number}: {line}"
-    run = re.compile(r"\d{4}-\d{2}-\d{2}-(h200|h200x2|cpu)(-[a-z0-9]+)*")  # date-machine-what
+    run = re.compile(r"\d{4}-\d{2}-\d{2}-(h200|h200x2|h100|cpu)(-[a-z0-9]+)*")  # date-machine-what
     for folder in RAW.iterdir():
         assert run.fullmatch(folder.name), folder
 
