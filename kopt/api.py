@@ -37,6 +37,7 @@ from kopt.passes.fold import LoadProgram
 from kopt.passes.pipeline import format_pass_line
 from kopt.runtime import ExecutionPlan, build_plan
 from kopt.verify import VerifyOptions
+from kopt.warm import WarmStart
 
 if TYPE_CHECKING:
     from kopt.cost import CostModel, Ranking
@@ -65,6 +66,7 @@ class Report:
     # how the optimized module runs this graph (execution plan, CUDA graphs), kept current
     runtime: list[str] = field(default_factory=list)
     repeated: str = ""  # repeated blocks traced once (kopt.repeated), for the capture line
+    warm: str = ""  # how the graph was restored from the knowledge base (kopt.warm), if it was
 
     @property
     def verified(self) -> bool:
@@ -120,6 +122,8 @@ class Report:
         out = [f"kopt report: {self.model}",
                f"capture: {self.capture}, {self.nodes_captured} nodes, "
                f"{self.capture_seconds:.2f} s" + (f" ({self.repeated})" if self.repeated else "")]
+        if self.warm:
+            out.append(self.warm)
         for r in self.passes:
             out.append("  " + format_pass_line(r))
             shown = r.details if verbose else r.details[:DETAIL_LINES]
@@ -512,15 +516,32 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
                       cuda_graphs: bool = False) -> _Specialization:
     """``cost``: ranks the passes and skips those predicted to lose (``kopt.cost``);
     ``cuda_graphs``: the module will replay from CUDA graphs (dead ends recorded only for
-    that mode apply)."""
+    that mode apply).
+
+    Inside a knowledge base's scope (:func:`kopt.kb.using`; the ``kopt`` command's default),
+    an optimization that scope recorded before is restored instead of run (:mod:`kopt.warm`),
+    and a cold one is recorded for the next process. Not with ``cost``, whose ranking is
+    measured afresh, nor with ``dump_dir``, whose files are written by the passes."""
     nodes = sum(1 for n in captured.gm.graph.nodes if n.op == "call_function")
+    manager = PassManager(config, verify, dump_dir, cost=cost, cuda_graphs=cuda_graphs)
+    repeated = captured.repeated.describe() if captured.repeated else ""
+    warm = WarmStart.lookup(captured, manager, verify, cuda_graphs) if (
+        cost is None and dump_dir is None) else None
+    hit = warm.restore(captured, verify) if warm is not None else None
+    if hit is not None:
+        gm, results, uuid, line = hit
+        return _Specialization(captured, gm, Report(
+            name, captured.source, capture_seconds, nodes, results, uuid, repeated=repeated,
+            warm=line))
     log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
              len(config.enabled()))
-    manager = PassManager(config, verify, dump_dir, cost=cost, cuda_graphs=cuda_graphs)
-    gm, results = manager.run(captured.gm, captured.example_inputs)
-    report = Report(name, captured.source, capture_seconds, nodes, results, manager.uuid(),
-                    manager.ranking,
-                    repeated=captured.repeated.describe() if captured.repeated else "")
+    gm, results = manager.run(captured.gm, captured.example_inputs,
+                              workload=warm.workload if warm is not None else None)
+    uuid = manager.uuid()
+    if warm is not None:
+        warm.record(captured, gm, results, verify, uuid)
+    report = Report(name, captured.source, capture_seconds, nodes, results, uuid,
+                    manager.ranking, repeated=repeated)
     return _Specialization(captured, gm, report)
 
 

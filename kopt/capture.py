@@ -27,6 +27,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+from kopt.collect import collector_skips_what_lives_already
 from kopt.errors import CaptureError
 from kopt.repeated import NotRepeatable, Repeated, instantiate, trace_with_stand_ins
 
@@ -97,6 +98,12 @@ def capture_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
     be traced that way is traced whole. Raises :class:`CaptureError` naming the construct that
     cannot be captured; the model is not modified either way.
     """
+    with collector_skips_what_lives_already():
+        return _capture(model, args, kwargs, repeated)
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict | None,
+             repeated: bool) -> Captured:
     kwargs = dict(sorted((kwargs or {}).items()))
     flat, _ = flatten_inputs(args, kwargs)
     if repeated:

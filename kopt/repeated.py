@@ -293,7 +293,7 @@ def instantiate(
             call = registry.calls[key]
             values = [x.meta["val"] for x in xs]
             block_gm = export(call.block, *_rebuild(call, values))
-            traces[key] = _Trace(block_gm, mode, call)
+            traces[key] = _Trace(block_gm, mode, call, len(traces))
         _inline(gm, op, traces[key], registry.paths[instance], anchor, model)
     gm.graph.eliminate_dead_code()
     return Repeated(len(ops), len(traces), [registry.paths[op.args[2]] for op in ops])
@@ -302,9 +302,10 @@ def instantiate(
 class _Trace:
     """One block's traced graph, with its values moved into the outer graph's fake mode."""
 
-    def __init__(self, block_gm: fx.GraphModule, mode: Any, call: _Call) -> None:
+    def __init__(self, block_gm: fx.GraphModule, mode: Any, call: _Call, index: int) -> None:
         self.gm = block_gm
         self.call = call
+        self.index = index  # names the block's shared constants alike in every process
         self.vals: dict[fx.Node, Any] = {}
         for node in block_gm.graph.nodes:
             if "val" in node.meta:
@@ -373,7 +374,7 @@ def _instance_attr(gm: fx.GraphModule, node: fx.Node, trace: _Trace, path: str,
         if not _has(gm, target):  # the outer trace never saw the block: attach its tensor
             _attach(gm, target, attr(model, target))
     else:
-        target = f"_kopt_repeated_{id(trace)}_{node.target.replace('.', '_')}"
+        target = f"_kopt_repeated_{trace.index}_{node.target.replace('.', '_')}"
         if not hasattr(gm, target):
             value = attr(trace.gm, node.target)
             if isinstance(value, torch.nn.Parameter):

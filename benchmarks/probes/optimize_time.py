@@ -10,11 +10,14 @@ Prints the capture's and the optimization's seconds, the rewrites applied and th
 ``--whole`` first times the capture without repeated blocks (``kopt.repeated``: every block
 traced), ``--split`` the whole-model export's steps apart (export, decompositions, the module);
 ``--profile N`` adds cProfile's N most expensive calls (cumulative) of the optimization.
+``--kb PATH`` optimizes inside that knowledge base's scope: the first process records the
+optimized graph, a second one with the same arguments restores it (``kopt.warm``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import time
@@ -23,6 +26,7 @@ import torch
 
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
+from kopt.kb import KnowledgeBase, using
 from kopt.memory import memory_held
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
@@ -41,6 +45,8 @@ def main() -> None:
                    help="also time the whole-model export's steps apart")
     p.add_argument("--whole", action="store_true",
                    help="also time the capture with every repeated block traced")
+    p.add_argument("--kb", metavar="PATH",
+                   help="optimize in this knowledge base's scope (a second run warm-starts)")
     args = p.parse_args()
     s0 = time.perf_counter()
     w = build(args.model, device=args.device, dtype=torch.bfloat16)
@@ -75,7 +81,8 @@ def main() -> None:
     if prof is not None:
         prof.enable()
     verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))))
-    spec = optimize_captured(cap, config, verify, None, w.name, 0.0)
+    with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext():
+        spec = optimize_captured(cap, config, verify, None, w.name, 0.0)
     if prof is not None:
         prof.disable()
     t3 = time.perf_counter()
@@ -85,6 +92,8 @@ def main() -> None:
           f"left, {type(spec.gm).__mro__[1].__name__}; verification "
           f"{'on ' + str(args.verify) + ' seeds' if args.verify else 'off'}, "
           f"{'passed' if spec.report.verified else 'FAILED'})")
+    if spec.report.warm:
+        print(f"{w.name}: {spec.report.warm}")
     if args.device != "meta":
         held = memory_held(w.model, [spec.gm], None)
         print(f"{w.name}: {held.describe()}; without the original's own copies "

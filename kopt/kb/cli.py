@@ -1,7 +1,7 @@
 """``kopt kb``: look at, export, prune and annotate the knowledge base.
 
-    kopt kb list [--kind kernels|measurements|verdicts|lessons] [--kb PATH]
-    kopt kb show ID                                   (K12, M3, V7, L1: as list prints them)
+    kopt kb list [--kind kernels|measurements|verdicts|lessons|graphs] [--kb PATH]
+    kopt kb show ID                                   (K12, M3, V7, L1, G2: as list prints them)
     kopt kb export --format md|json [--out PATH]
     kopt kb prune [--older-than DAYS] [--keep-other-versions] [--dry-run]
     kopt kb merge OTHER.sqlite                        (copy in what another file has)
@@ -39,7 +39,7 @@ from kopt.kb.store import (
     safe_open,
 )
 
-_KINDS = {"kernels": "K", "measurements": "M", "verdicts": "V", "lessons": "L"}
+_KINDS = {"kernels": "K", "measurements": "M", "verdicts": "V", "lessons": "L", "graphs": "G"}
 
 
 def _kb_option(p: argparse.ArgumentParser) -> None:
@@ -59,13 +59,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     ls.add_argument("--kind", choices=sorted(_KINDS), action="append", default=[],
                     help="only these entries (repeatable; default: all)")
     show = sub.add_parser("show", parents=[common], help="one entry in full")
-    show.add_argument("id", help="an id as list prints it: K12, M3, V7, L1")
+    show.add_argument("id", help="an id as list prints it: K12, M3, V7, L1, G2")
     ex = sub.add_parser("export", parents=[common], help="everything as Markdown or JSON")
     ex.add_argument("--format", choices=("md", "json"), default="md")
     ex.add_argument("--out", metavar="PATH", help="write here instead of stdout")
     pr = sub.add_parser("prune", parents=[common],
-                        help="remove configs of other torch/triton versions, invalid rows, "
-                             "and (--older-than) old entries; lessons are kept")
+                        help="remove configs of other torch/triton versions, optimized graphs "
+                             "of other kopt builds, invalid rows, and (--older-than) old "
+                             "entries; lessons are kept")
     pr.add_argument("--older-than", type=float, metavar="DAYS",
                     help="also remove kernels, measurements and verdicts older than DAYS")
     pr.add_argument("--keep-other-versions", action="store_true",

@@ -94,11 +94,27 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX verdicts_lookup ON verdicts (rewrite, device)")
 
 
+def _v4(db: sqlite3.Connection) -> None:
+    db.execute("""CREATE TABLE graphs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,  -- an entry id (G<n>) never names two graphs
+        key TEXT NOT NULL UNIQUE,       -- kopt.warm.key: model, inputs, device, pipeline, build
+        workload TEXT NOT NULL,
+        device TEXT NOT NULL,
+        kopt_build TEXT NOT NULL,       -- kopt's version + source hash (pruned when it changes)
+        nodes INTEGER NOT NULL,         -- call nodes of the optimized graph
+        bytes INTEGER NOT NULL,
+        payload BLOB NOT NULL,          -- kopt.warm's stored form (no tensors but small ones)
+        hits INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        used_at REAL)""")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "kernels, measurements, verdicts", _v1),
     Migration(2, "verdict tags, regime, origin and pass uuid; CUDA graphs flag and notes on "
                  "measurements", _v2),
     Migration(3, "lessons; lookup indexes", _v3),
+    Migration(4, "optimized graphs for a warm start", _v4),
 )
 CURRENT = MIGRATIONS[-1].version
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -167,7 +169,27 @@ class LessonRecord:
         return f"L{self.id}"
 
 
-Record = KernelRecord | MeasurementRecord | VerdictRecord | LessonRecord
+@dataclass(frozen=True)
+class GraphRecord:
+    """An optimized graph kept for a warm start (:mod:`kopt.warm`); its payload is read apart."""
+
+    id: int
+    key: str
+    workload: str
+    device: str
+    kopt_build: str
+    nodes: int
+    bytes: int
+    hits: int
+    created_at: float
+    used_at: float | None
+
+    @property
+    def entry_id(self) -> str:
+        return f"G{self.id}"
+
+
+Record = KernelRecord | MeasurementRecord | VerdictRecord | LessonRecord | GraphRecord
 
 
 @dataclass(frozen=True)
@@ -179,17 +201,19 @@ class PruneResult:
     older: dict[str, int]  # table -> rows older than the cutoff
     measurements_of_kernels: int
     dry_run: bool
+    graphs_other_builds: int = 0  # optimized graphs of another kopt build
 
     @property
     def total(self) -> int:
         return (self.kernels_other_versions + self.kernels_invalid + sum(self.older.values())
-                + self.measurements_of_kernels)
+                + self.measurements_of_kernels + self.graphs_other_builds)
 
     def format(self) -> str:
         verb = "would remove" if self.dry_run else "removed"
         parts = [f"{self.kernels_other_versions} kernel configs of other torch/triton versions",
                  f"{self.kernels_invalid} invalid kernel configs",
-                 f"{self.measurements_of_kernels} measurements of those kernels"]
+                 f"{self.measurements_of_kernels} measurements of those kernels",
+                 f"{self.graphs_other_builds} optimized graphs of other kopt builds"]
         parts += [f"{n} {table} older than the cutoff" for table, n in self.older.items()]
         return f"prune {verb} {self.total} rows: " + ", ".join(parts)
 
@@ -217,6 +241,18 @@ def default_path() -> Path:
         return Path(os.environ["KOPT_CACHE_DIR"]) / "kb.sqlite"
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "kopt" / "kb.sqlite"
+
+
+@functools.lru_cache(maxsize=1)
+def kopt_build() -> str:
+    """``src-<hash>`` of kopt's source files (its version line among them): an edited kopt is
+    another build, whose optimized graphs (:mod:`kopt.warm`) this one never reuses."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return f"src-{h.hexdigest()[:12]}"
 
 
 def format_time(t: float) -> str:
@@ -548,20 +584,58 @@ class KnowledgeBase:
             return [LessonRecord(r[0], r[1], self._tags(db, "lesson", r[0]), r[2], r[3], r[4])
                     for r in rows]
 
+    # -- optimized graphs (kopt.warm) -----------------------------------------------------
+
+    _GRAPH_COLUMNS = ("id, key, workload, device, kopt_build, nodes, bytes, hits, created_at, "
+                      "used_at")
+
+    def record_graph(self, key: str, workload: str, device: str, kopt_build: str, nodes: int,
+                     size: int, payload: bytes) -> int:
+        """Keep ``payload`` under ``key``, replacing an entry of the same key."""
+        with self._write() as db:
+            db.execute("DELETE FROM graphs WHERE key = ?", (key,))
+            return db.execute(
+                "INSERT INTO graphs (key, workload, device, kopt_build, nodes, bytes, payload, "
+                "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (key, workload, device, kopt_build, nodes, size, payload, time.time()),
+            ).lastrowid
+
+    def graph(self, key: str) -> tuple[GraphRecord, bytes] | None:
+        with self._read() as db:
+            row = db.execute(f"SELECT {self._GRAPH_COLUMNS}, payload FROM graphs WHERE key = ?",
+                             (key,)).fetchone()
+        return None if row is None else (GraphRecord(*row[:-1]), bytes(row[-1]))
+
+    def graphs(self) -> list[GraphRecord]:
+        with self._read() as db:
+            return [GraphRecord(*r) for r in db.execute(
+                f"SELECT {self._GRAPH_COLUMNS} FROM graphs ORDER BY id")]
+
+    def graph_used(self, gid: int) -> None:
+        with self._write() as db:
+            db.execute("UPDATE graphs SET hits = hits + 1, used_at = ? WHERE id = ?",
+                       (time.time(), gid))
+
+    def drop_graph(self, gid: int) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM graphs WHERE id = ?", (gid,))
+
     # -- listing, export, pruning ---------------------------------------------------------
 
     def entries(self) -> list[Record]:
-        return [*self.kernels(), *self.measurements(), *self.verdicts(), *self.lessons()]
+        return [*self.kernels(), *self.measurements(), *self.verdicts(), *self.lessons(),
+                *self.graphs()]
 
     def get(self, entry_id: str) -> Record:
         """An entry by its listed id: ``K12`` kernel, ``M3`` measurement, ``V7`` verdict,
-        ``L1`` lesson."""
+        ``L1`` lesson, ``G2`` optimized graph."""
         kinds = {"K": self.kernels, "M": self.measurements, "V": self.verdicts,
-                 "L": self.lessons}
+                 "L": self.lessons, "G": self.graphs}
         prefix, number = entry_id[:1].upper(), entry_id[1:]
         if prefix not in kinds or not number.isdigit():
             raise InvalidRecord(f"entry id {entry_id!r}: K<n> (kernel), M<n> "
-                                     "(measurement), V<n> (verdict) or L<n> (lesson)")
+                                "(measurement), V<n> (verdict), L<n> (lesson) or G<n> "
+                                "(optimized graph)")
         for rec in kinds[prefix]():
             if rec.id == int(number):
                 return rec
@@ -582,13 +656,14 @@ class KnowledgeBase:
         """Everything in the file as Markdown tables or JSON (invalid configs as their reason,
         never their stored text)."""
         kernels, measurements = self.kernels(), self.measurements()
-        verdicts, lessons = self.verdicts(), self.lessons()
+        verdicts, lessons, graphs = self.verdicts(), self.lessons(), self.graphs()
         if fmt == "json":
             doc = {"kb": str(self.path), "schema_version": self.schema_version(),
                    "kernels": [_as_dict(k) for k in kernels],
                    "measurements": [_as_dict(m) for m in measurements],
                    "verdicts": [_as_dict(v) for v in verdicts],
-                   "lessons": [_as_dict(x) for x in lessons]}
+                   "lessons": [_as_dict(x) for x in lessons],
+                   "graphs": [_as_dict(g) for g in graphs]}
             return json.dumps(doc, indent=2) + "\n"
         if fmt != "md":
             raise InvalidRecord(f"export format {fmt!r}: md or json")
@@ -627,12 +702,17 @@ class KnowledgeBase:
         table("Lessons", ("id", "lesson", "rewrite", "device", "tags"),
               [(x.entry_id, x.text, x.rewrite or "", x.device or "", ", ".join(x.tags))
                for x in lessons])
+        table("Optimized graphs (warm start)", ("id", "workload", "device", "nodes", "MiB",
+                                                "kopt build", "warm starts", "recorded"),
+              [(g.entry_id, g.workload, g.device, g.nodes, f"{g.bytes / 2**20:.2f}",
+                g.kopt_build, g.hits, format_time(g.created_at)) for g in graphs])
         return "\n".join(out)
 
     def prune(self, older_than_days: float | None = None, *, other_versions: bool = True,
               dry_run: bool = False, versions: Versions | None = None) -> PruneResult:
         """Remove what this kopt can no longer use: kernel configs of other torch/triton
-        versions (``other_versions``), kernel rows that fail validation, and, with
+        versions and optimized graphs of other kopt builds (``other_versions``), kernel rows
+        that fail validation, and, with
         ``older_than_days``, kernels, measurements and verdicts older than that (lessons are
         kept). Measurements of removed kernels go with them. ``dry_run``: count only."""
         v = versions or Versions.current()
@@ -663,6 +743,13 @@ class KnowledgeBase:
                     f"coalesce({in_drop}, 0)", (cutoff, ids)).fetchone()[0]
                 older["verdicts"] = db.execute("SELECT count(*) FROM verdicts WHERE "
                                                "created_at < ?", (cutoff,)).fetchone()[0]
+            graphs = 0
+            if other_versions:
+                build = kopt_build()
+                graphs = db.execute("SELECT count(*) FROM graphs WHERE kopt_build != ?",
+                                    (build,)).fetchone()[0]
+                if not dry_run:
+                    db.execute("DELETE FROM graphs WHERE kopt_build != ?", (build,))
             if not dry_run:
                 db.execute(f"DELETE FROM measurements WHERE {in_drop}", (ids,))
                 db.execute("DELETE FROM kernels WHERE id IN (SELECT value FROM json_each(?))",
@@ -670,7 +757,7 @@ class KnowledgeBase:
                 if cutoff is not None:
                     db.execute("DELETE FROM measurements WHERE created_at < ?", (cutoff,))
                     db.execute("DELETE FROM verdicts WHERE created_at < ?", (cutoff,))
-        return PruneResult(other, invalid, older, of_kernels, dry_run)
+        return PruneResult(other, invalid, older, of_kernels, dry_run, graphs)
 
 
     def merge(self, other: KnowledgeBase) -> MergeResult:
@@ -680,7 +767,8 @@ class KnowledgeBase:
         measurements (re-pointed at this file's ids of their kernels), verdicts with their
         tags, and lessons. An entry is a duplicate when every field, its time included,
         equals one already here: merging the same file twice adds nothing. Times are kept, so
-        the newest verdict still decides a dead end."""
+        the newest verdict still decides a dead end. Optimized graphs are left out: they hold
+        the graph of one kopt build and device, which the next run there records itself."""
         if other.path.resolve() == self.path.resolve():
             raise InvalidRecord(f"cannot merge knowledge base {self.path} into itself")
         with other._read() as src:
@@ -696,8 +784,12 @@ class KnowledgeBase:
             lessons = [(r, other._tags(src, "lesson", r[0])) for r in src.execute(
                 "SELECT id, text, rewrite, device, created_at FROM lessons ORDER BY id")
                 .fetchall()]
+            graphs = src.execute("SELECT count(*) FROM graphs").fetchone()[0] if (
+                schema.stored_version(src) or 0) >= 4 else 0
         added = dict.fromkeys(("kernels", "measurements", "verdicts", "lessons"), 0)
         skipped: dict[str, int] = {}
+        if graphs:
+            skipped["optimized graphs (each machine records its own)"] = graphs
 
         def skip(why: str) -> None:
             skipped[why] = skipped.get(why, 0) + 1
@@ -813,8 +905,9 @@ def _as_dict(rec: Record) -> dict[str, Any]:
     d = {"id": rec.entry_id, **{k: v for k, v in d.items() if k != "id"}}
     if isinstance(rec, KernelRecord):
         d["versions"] = {"torch": rec.versions.torch, "triton": rec.versions.triton}
-    for key in ("created_at",):
-        d[key] = format_time(d[key])
+    for key in ("created_at", "used_at"):
+        if d.get(key) is not None:
+            d[key] = format_time(d[key])
     if isinstance(d.get("tags"), tuple):
         d["tags"] = list(d["tags"])
     return d
@@ -834,6 +927,11 @@ def describe(rec: Record) -> str:
         return (f"{rec.kind} {what} on {rec.workload} @ {rec.device}: {base}"
                 f"{rec.candidate_ms:.4f} ms{speed}, CUDA graphs "
                 f"{'on' if rec.cuda_graphs else 'off'}" + (f"; {rec.note}" if rec.note else ""))
+    if isinstance(rec, GraphRecord):
+        used = f", last used {format_time(rec.used_at)}" if rec.used_at else ""
+        return (f"optimized graph of {rec.workload} @ {rec.device}: {rec.nodes} nodes, "
+                f"{rec.bytes / 2**20:.2f} MiB, kopt {rec.kopt_build}; {rec.hits} warm starts"
+                f"{used}")
     if isinstance(rec, VerdictRecord):
         scope = rec.workload + (f" / regime {rec.regime}" if rec.regime else "")
         tags = f" [{', '.join(rec.tags)}]" if rec.tags else ""

@@ -18,10 +18,15 @@ from kopt.kb.session import Session, active, device_name
 from kopt.kb.store import KnowledgeBase, VerdictRecord, format_time
 
 
-def workload_key(gm: Any, example_inputs: Sequence[Any]) -> str:
-    """``graph-<hash>`` of the captured graph's code and its inputs' shapes and dtypes: the
-    same model at the same shapes gets the same key in every run."""
-    h = hashlib.sha256(gm.code.encode())
+def workload_key(gm: Any, example_inputs: Sequence[Any], graph_fingerprint: str = "") -> str:
+    """``graph-<hash>`` of the captured graph (:func:`kopt.graph.serialize.fingerprint`, or
+    ``graph_fingerprint`` when the caller has it) and its inputs' shapes and dtypes: the same
+    model at the same shapes gets the same key in every run."""
+    if not graph_fingerprint:
+        from kopt.graph.serialize import fingerprint  # torch: only once a graph is in hand
+
+        graph_fingerprint = fingerprint(gm)
+    h = hashlib.sha256(graph_fingerprint.encode())
     for x in example_inputs:
         h.update(repr((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else
                       type(x).__name__).encode())
@@ -143,14 +148,15 @@ class PipelineRun:
             s.recorded.append(f"{len(ids)} pass verdicts ({', '.join(f'V{i}' for i in ids)})")
 
 
-def pipeline_run(gm: Any, example_inputs: Sequence[Any], *,
-                 cuda_graphs: bool = False) -> PipelineRun:
+def pipeline_run(gm: Any, example_inputs: Sequence[Any], *, cuda_graphs: bool = False,
+                 workload: str | None = None) -> PipelineRun:
     """The knowledge base's part in one pass-manager run over the captured ``gm``
-    (``cuda_graphs``: the result will replay from CUDA graphs)."""
+    (``cuda_graphs``: the result will replay from CUDA graphs; ``workload``: its key, where
+    the caller has it)."""
     s = active()
     if s is None:
         return PipelineRun(None)
-    run = PipelineRun(s, s.workload or workload_key(gm, example_inputs),
+    run = PipelineRun(s, s.workload or workload or workload_key(gm, example_inputs),
                       s.device or inputs_device(example_inputs), cuda_graphs=cuda_graphs)
     s.last_workload, s.last_device = run.workload, run.device
     s.in_pipeline, s.pending = True, []

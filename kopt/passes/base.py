@@ -38,6 +38,7 @@ class PassResult:
     notes: tuple[str, ...] = ()
     verdict: Verdict | None = None
     reverted: tuple[str, ...] = ()  # sites undone because they failed verification
+    from_kb: str = ""  # the knowledge-base entry this result was restored from (kopt.warm)
 
 
 def count_nodes(gm: fx.GraphModule) -> int:

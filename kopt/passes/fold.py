@@ -35,6 +35,8 @@ class LoadProgram:
     graph_module: fx.GraphModule  # no inputs; returns the folded values in ``targets`` order
     targets: tuple[str, ...]  # attribute names on the optimized graph module
     sources: tuple[str, ...]  # attribute names it reads (the model's parameters and buffers)
+    # outputs (by index) whose source parameters were re-pointed into them (:func:`pack_in_place`)
+    packed_in_place: tuple[int, ...] = ()
 
     def run(self) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -73,7 +75,7 @@ class FoldConstants(Pass):
         }
         storages = {attr(gm, t).untyped_storage().data_ptr() for t in source_bytes}
         rejected: dict[str, int] = {KEEP_PER_CALL: len(kept)} if kept else {}
-        targets, kept_values, folded = [], [], []
+        targets, kept_values, folded, in_place = [], [], [], []
         added = aliased = 0
         for node, value in zip(frontier, values, strict=True):
             inputs = sum(source_bytes.get(a.target, 0) for a in _attr_inputs(node))
@@ -88,8 +90,9 @@ class FoldConstants(Pass):
             folded.append(node.name)
             if value.untyped_storage().data_ptr() in storages:
                 continue
-            if gm.meta.get(SOURCE_KEY) == "export" and _alias_sources(gm, node, value):
+            if gm.meta.get(SOURCE_KEY) == "export" and pack_in_place(gm, node, value):
                 aliased += _nbytes(value)
+                in_place.append(len(targets) - 1)
             else:
                 added += _nbytes(value)
         eliminate_dead(gm)
@@ -97,7 +100,8 @@ class FoldConstants(Pass):
         still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
         unread = sum(b for t, b in source_bytes.items() if t not in still_read)
         keep = [i for i, n in enumerate(frontier) if n.name in folded]
-        program = LoadProgram(_select_outputs(load_gm, keep), tuple(targets), tuple(source_bytes))
+        program = LoadProgram(_select_outputs(load_gm, keep), tuple(targets), tuple(source_bytes),
+                              tuple(in_place))
         programs: list[LoadProgram] = gm.meta.setdefault("kopt_load_programs", [])
         programs.append(program)
         notes = (
@@ -131,7 +135,7 @@ def _drop_collectives(graph: fx.Graph, consts: set[fx.Node]) -> list[fx.Node]:
     return kept
 
 
-def _alias_sources(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> bool:
+def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> bool:
     """Make the parameters a folded row-concatenation was built from views of it.
 
     The merge pass's ``cat([Wq; Wk; Wv])`` would otherwise hold every merged weight twice (W1:

@@ -9,19 +9,18 @@ is not applied, with the prediction as the reason.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
+from kopt.collect import collector_skips_what_lives_already
 from kopt.graph import copy_graph_module
 from kopt.graph.regions import cached_regions
 from kopt.kb.verdicts import pipeline_run
@@ -120,13 +119,15 @@ class PassManager:
         return h.hexdigest()[:16]
 
     def run(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], workload: str | None = None,
     ) -> tuple[fx.GraphModule, list[PassResult]]:
-        with _collector_skips_what_lives_already():
-            return self._run(gm, example_inputs)
+        """``workload``: the knowledge base's key of ``gm`` where the caller has it."""
+        with collector_skips_what_lives_already():
+            return self._run(gm, example_inputs, workload=workload)
 
     def _run(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], snapshots: bool | None = None,
+        workload: str | None = None,
     ) -> tuple[fx.GraphModule, list[PassResult]]:
         """``snapshots``: run each pass on a copy of the graph before it (what verification
         and the cost model's gate compare against, and what a pass that raises leaves). Without
@@ -140,7 +141,7 @@ class PassManager:
         self._dump(gm, "00_captured")
         self._dump_patterns()
         # knowledge base: dead ends to skip, verdicts
-        kb = pipeline_run(gm, example_inputs, cuda_graphs=self.cuda_graphs)
+        kb = pipeline_run(gm, example_inputs, cuda_graphs=self.cuda_graphs, workload=workload)
         if not snapshots:
             gm = copy_graph_module(gm)  # the captured graph stays as captured
         for i, p in enumerate(self.passes, start=1):
@@ -158,7 +159,8 @@ class PassManager:
                 if not snapshots:
                     log.info("kopt: %s raised on the graph the passes share; running them "
                              "again, each on a copy", p.name)
-                    return self._run(captured, example_inputs, snapshots=True)
+                    return self._run(captured, example_inputs, snapshots=True,
+                                     workload=workload)
                 results.append(self._raised(p, gm, exc, time.perf_counter() - start))
                 continue
             if self.cost is not None:
@@ -293,24 +295,8 @@ class PassManager:
         (self.dump_dir / f"{stem}.py").write_text(text)
 
 
-@contextmanager
-def _collector_skips_what_lives_already() -> Iterator[None]:
-    """Keep the objects alive before the passes (the model, the captured graph: W1's 11650
-    nodes and their metadata) out of the garbage collector's full passes while the pipeline
-    copies graphs: 10-20% of W1's pass time on the CPU (RESULTS.md, 2026-12-05). Garbage made
-    during the passes is collected as usual. Left alone where the caller froze objects itself
-    (``gc.freeze`` before a fork)."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def format_pass_line(r: PassResult) -> str:
     verdict = str(r.verdict) if r.verdict else ("not verified" if r.matched else "-")
     return (f"{r.name:<20} matched {r.matched:>4}  rejected {sum(r.rejected.values()):>4}  "
-            f"nodes {r.nodes_before:>5} -> {r.nodes_after:<5} {r.seconds:7.2f} s  {verdict}")
+            f"nodes {r.nodes_before:>5} -> {r.nodes_after:<5} {r.seconds:7.2f} s  {verdict}"
+            + (f"  [from KB {r.from_kb}]" if r.from_kb else ""))

@@ -387,11 +387,18 @@ def _nm(x: Any) -> str:
 
 
 def _source_of(*fns: Callable | None) -> str:
+    """The source of each function: the same text in every process (a ``functools.partial``
+    is its function's source and its bound arguments, never its repr, which holds an
+    address)."""
+    import functools
     import inspect
 
     parts = []
     for fn in fns:
         if fn is None:
+            continue
+        if isinstance(fn, functools.partial):
+            parts.append(_source_of(fn.func) + repr((fn.args, sorted(fn.keywords.items()))))
             continue
         try:
             parts.append(inspect.getsource(fn))

@@ -157,10 +157,10 @@ def test_pattern_graphs_are_dumped(tmp_path) -> None:  # noqa: ANN001
 def test_the_pipeline_leaves_the_collector_as_it_found_it():
     import gc
 
-    from kopt.passes.pipeline import _collector_skips_what_lives_already
+    from kopt.collect import collector_skips_what_lives_already
 
     gc.unfreeze()
-    with _collector_skips_what_lives_already():
+    with collector_skips_what_lives_already():
         assert gc.get_freeze_count() > 0  # what lived before the passes is frozen
     assert gc.get_freeze_count() == 0
     keep = [object() for _ in range(10)]
@@ -170,7 +170,7 @@ def test_the_pipeline_leaves_the_collector_as_it_found_it():
         with pytest.MonkeyPatch.context() as mp:  # a frozen object that dies leaves the count
             mp.setattr(gc, "freeze", lambda: calls.append("freeze"))
             mp.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
-            with _collector_skips_what_lives_already():
+            with collector_skips_what_lives_already():
                 pass
         assert calls == [] and gc.get_freeze_count() > 0
     finally:
