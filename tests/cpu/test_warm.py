@@ -281,3 +281,24 @@ def test_backend_path_warm_starts(kb: KnowledgeBase) -> None:
     assert len(cold) == len(hit) == 1 and not cold[0].warm
     assert hit[0].warm.startswith("warm start: optimized graph G1")
     assert _bitwise(got, want)
+
+
+def test_kopt_optimize_warm_starts_by_default(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    """The command line's knowledge base is on unless ``--no-kb``: its second run of a model
+    restores the graph (and says so), ``--no-kb`` and ``--retry`` run the passes."""
+    from kopt.cli import main
+
+    path = str(tmp_path / "kb.sqlite")
+    args = ["optimize", "--model", "llm-tiny", "--kb", path]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "warm start:" not in out and "recorded: G1: the optimized graph" in out
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "warm start: optimized graph G1 restored" in out and "[from KB G1]" in out
+    for flag in ("--no-kb", "--retry"):
+        assert main([*args, flag]) == 0
+        assert "warm start:" not in capsys.readouterr().out
+    assert main(["kb", "list", "--kind", "graphs", "--kb", path]) == 0
+    assert "G1     optimized graph of graph-" in capsys.readouterr().out
