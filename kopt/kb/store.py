@@ -712,9 +712,9 @@ class KnowledgeBase:
               dry_run: bool = False, versions: Versions | None = None) -> PruneResult:
         """Remove what this kopt can no longer use: kernel configs of other torch/triton
         versions and optimized graphs of other kopt builds (``other_versions``), kernel rows
-        that fail validation, and, with
-        ``older_than_days``, kernels, measurements and verdicts older than that (lessons are
-        kept). Measurements of removed kernels go with them. ``dry_run``: count only."""
+        that fail validation, and, with ``older_than_days``, kernels, measurements and
+        verdicts older than that, and optimized graphs not used since (lessons are kept).
+        Measurements of removed kernels go with them. ``dry_run``: count only."""
         v = versions or Versions.current()
         drop: set[int] = set()
         other = invalid = 0
@@ -750,6 +750,12 @@ class KnowledgeBase:
                                     (build,)).fetchone()[0]
                 if not dry_run:
                     db.execute("DELETE FROM graphs WHERE kopt_build != ?", (build,))
+            if cutoff is not None:  # a graph counts from its last warm start
+                unused = "coalesce(used_at, created_at) < ?"
+                older["optimized graphs"] = db.execute(
+                    f"SELECT count(*) FROM graphs WHERE {unused}", (cutoff,)).fetchone()[0]
+                if not dry_run:
+                    db.execute(f"DELETE FROM graphs WHERE {unused}", (cutoff,))
             if not dry_run:
                 db.execute(f"DELETE FROM measurements WHERE {in_drop}", (ids,))
                 db.execute("DELETE FROM kernels WHERE id IN (SELECT value FROM json_each(?))",

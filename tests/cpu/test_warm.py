@@ -248,6 +248,10 @@ def test_kb_lists_prunes_and_never_merges_graphs(kb: KnowledgeBase, tmp_path: Pa
     assert dry.graphs_other_builds == 1 and len(kb.graphs()) == 2
     kb.prune()
     assert [g.kopt_build for g in kb.graphs()] == [warm.kopt_build()]
+    (kept,) = kb.graphs()
+    kb.graph_used(kept.id)  # used now: an old entry, but not unused for a day
+    assert kb.prune(older_than_days=1).older["optimized graphs"] == 0
+    assert kb.prune(older_than_days=-1, dry_run=True).older["optimized graphs"] == 1
 
 
 def _key_of(kb: KnowledgeBase) -> str:
