@@ -420,7 +420,7 @@ class WarmStart:
                 f"re-run or re-verified; {check}")
         s.used.append(line.removeprefix("warm start: "))
         s.last_workload, s.last_device = self.workload, self.device
-        log.info("kopt: %s", line)
+        log.debug("kopt: %s", line)  # the report prints it
         passes = [replace(r, seconds=0.0, from_kb=record.entry_id) for r in stored.passes]
         return gm, passes, stored.pipeline_uuid, line
 
