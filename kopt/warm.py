@@ -355,7 +355,11 @@ class WarmStart:
         s = active()
         if s is None or s.retry:  # asked to run the dead ends again: every pass runs afresh
             return None
-        graph_fingerprint = fingerprint(captured.gm)
+        try:
+            graph_fingerprint = fingerprint(captured.gm)
+        except NotSerializable as e:
+            log.info("kopt: no warm start for this model: %s", e)
+            return None
         workload = s.workload or workload_key(captured.gm, captured.example_inputs,
                                               graph_fingerprint)
         device = s.device or inputs_device(captured.example_inputs)

@@ -104,7 +104,10 @@ def _encode_target_cached(target: Any) -> Target:
         if module == "_operator":
             module = "operator"
         name = f"{module}:{qualname}"
-        found = _resolve(Target("py", name))
+        try:
+            found = _resolve(Target("py", name))
+        except (ImportError, AttributeError) as e:
+            raise NotSerializable(f"call target {target!r} does not import: {e}") from e
         if found is not target:
             raise NotSerializable(f"call target {target!r} does not resolve to itself")
         return Target("py", name)
@@ -262,9 +265,16 @@ def decode_graph(nodes: list[tuple], mode: FakeTensorMode | None) -> fx.Graph:
 def fingerprint(gm: fx.GraphModule) -> str:
     """A hash of the captured graph: every node's op, target, arguments and value metadata,
     and every attribute's name, shape, strides, dtype and device (a model cast to another
-    dtype is another graph). Cheap: no code generation (W1's graph is 11650 nodes)."""
+    dtype is another graph). Cheap: no code generation (W1's graph is 11650 nodes). Raises
+    :class:`NotSerializable` for a graph the encoding cannot name exactly (a closure as a
+    target, an object as an argument, symbolic shapes): never a hash that two graphs share."""
     h = hashlib.sha256()
-    h.update(pickle.dumps(encode_graph(gm.graph, keep_meta=False), protocol=5))
+    try:
+        h.update(pickle.dumps(encode_graph(gm.graph, keep_meta=False), protocol=5))
+    except NotSerializable:
+        raise
+    except Exception as e:  # noqa: BLE001 -- e.g. a symbolic size that does not pickle
+        raise NotSerializable(f"{type(e).__name__}: {e}") from e
     for name in sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"}):
         t = attr(gm, name)
         h.update(repr((name, describe_tensor(t))).encode())
@@ -272,6 +282,7 @@ def fingerprint(gm: fx.GraphModule) -> str:
 
 
 def describe_tensor(t: Any) -> Any:
+    """What a key holds of a tensor: shape, strides, dtype, device, and whether a parameter."""
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
     return (tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device),

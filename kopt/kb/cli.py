@@ -68,7 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "of other kopt builds, invalid rows, and (--older-than) old "
                              "entries; lessons are kept")
     pr.add_argument("--older-than", type=float, metavar="DAYS",
-                    help="also remove kernels, measurements and verdicts older than DAYS")
+                    help="also remove kernels, measurements and verdicts older than DAYS, "
+                         "and optimized graphs unused that long")
     pr.add_argument("--keep-other-versions", action="store_true",
                     help="keep kernel configs tuned under other torch/triton versions")
     pr.add_argument("--dry-run", action="store_true", help="count, remove nothing")

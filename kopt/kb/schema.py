@@ -100,7 +100,7 @@ def _v4(db: sqlite3.Connection) -> None:
         key TEXT NOT NULL UNIQUE,       -- kopt.warm.key: model, inputs, device, pipeline, build
         workload TEXT NOT NULL,
         device TEXT NOT NULL,
-        kopt_build TEXT NOT NULL,       -- kopt's version + source hash (pruned when it changes)
+        kopt_build TEXT NOT NULL,       -- src-<hash of kopt's source> (pruned when it changes)
         nodes INTEGER NOT NULL,         -- call nodes of the optimized graph
         bytes INTEGER NOT NULL,
         payload BLOB NOT NULL,          -- kopt.warm's stored form (no tensors but small ones)

@@ -23,9 +23,12 @@ def workload_key(gm: Any, example_inputs: Sequence[Any], graph_fingerprint: str 
     ``graph_fingerprint`` when the caller has it) and its inputs' shapes and dtypes: the same
     model at the same shapes gets the same key in every run."""
     if not graph_fingerprint:
-        from kopt.graph.serialize import fingerprint  # torch: only once a graph is in hand
+        from kopt.graph.serialize import NotSerializable, fingerprint  # torch: with a graph
 
-        graph_fingerprint = fingerprint(gm)
+        try:
+            graph_fingerprint = fingerprint(gm)
+        except NotSerializable:  # a graph it cannot name exactly: its code names it
+            graph_fingerprint = gm.code
     h = hashlib.sha256(graph_fingerprint.encode())
     for x in example_inputs:
         h.update(repr((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else

@@ -5,6 +5,7 @@ cold; the stored form never runs code or holds a weight."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import subprocess
@@ -21,8 +22,8 @@ import kopt
 import kopt.warm as warm
 from kopt.capture import capture_module
 from kopt.graph import is_view
-from kopt.graph.serialize import Target, fingerprint
-from kopt.kb import KnowledgeBase, using
+from kopt.graph.serialize import NotSerializable, Target, fingerprint
+from kopt.kb import KnowledgeBase, using, workload_key
 from kopt.models import build
 from kopt.models.zoo import ZOO
 from kopt.models.zoo import build as build_zoo
@@ -173,14 +174,28 @@ def test_stored_form_runs_no_code_and_holds_no_weight(kb: KnowledgeBase) -> None
 
     with pytest.raises(pickle.UnpicklingError, match="never names builtins.print"):
         warm.unpack(zlib.compress(pickle.dumps(Evil())))
-    opt, _, _, w = _optimize(kb, FP8)
+    _, _, _, w = _optimize(kb, FP8)
     stored = warm.unpack(kb.graph(_key_of(kb))[1])
-    weights = {n for n, _ in w.model.named_parameters()}
-    assert set(stored.weights) <= weights | {n for n, _ in w.model.named_buffers()}
-    assert all(len(v.data) <= 2 * warm.MAX_INLINE_BYTES for v in stored.inline.values()
-               if isinstance(v, warm._Saved))
-    assert len(kb.graphs()[0].key) == 64 and kb.graphs()[0].bytes < sum(
-        p.nbytes for p in w.model.parameters())
+    names = {n for n, _ in (*w.model.named_parameters(), *w.model.named_buffers())}
+    assert stored.weights and set(stored.weights) <= names  # weights by name only
+    # a tensor pickled as itself (a weight written into the payload) is refused on reading
+    raw = dataclasses.replace(stored, inline={"w": torch.ones(2)})
+    with pytest.raises(pickle.UnpicklingError, match="never names torch"):
+        warm.unpack(zlib.compress(pickle.dumps(raw)))
+
+
+def test_a_graph_the_encoding_cannot_name_gets_no_warm_start(kb: KnowledgeBase) -> None:
+    """A closure as a target: no fingerprint (never one two graphs could share), no warm
+    start, and the knowledge base's workload key still made (from the graph's code)."""
+    w = build("qwen-image-tiny", dtype=torch.bfloat16)
+    cap = capture_module(w.model, w.args, w.kwargs)
+    node = next(n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    node.target = lambda *a, **k: torch.ops.aten.linear.default(*a, **k)
+    with pytest.raises(NotSerializable, match="no importable name"):
+        fingerprint(cap.gm)
+    assert workload_key(cap.gm, cap.example_inputs).startswith("graph-")
+    with using(kb):
+        assert warm.WarmStart.lookup(cap, PassManager(), ONE_SEED, False) is None
 
 
 def test_meta_device_warm_start_without_check(kb: KnowledgeBase) -> None:
