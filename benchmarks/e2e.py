@@ -334,7 +334,8 @@ def run_variant(name: str, w: Workload, uncond: dict, refs: list[tuple[dict, tor
         torch._dynamo.reset()
         return row
     verify = VerifyOptions(enabled=args.seeds > 0, seeds=tuple(range(max(args.seeds, 1))))
-    opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify)
+    opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify,
+                        keep_original=True)  # the other variants run the same model
     base = {"prepare_s": time.perf_counter() - t0,
             "verified": opt.report.verified if verify.enabled else None,
             "passes": {r.name: r.matched for r in opt.report.passes}}

@@ -50,7 +50,7 @@ def run(name: str, fp8: bool, dtype: torch.dtype = torch.float32) -> Outcome:
     config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16)) if fp8 else kopt.PassConfig()
     start = time.perf_counter()
     try:
-        opt = kopt.optimize(model, args, kwargs, config)
+        opt = kopt.optimize(model, args, kwargs, config, keep_original=True)
     except kopt.CaptureError as exc:
         with torch.no_grad():  # the model itself still runs
             assert torch.equal(main_output(model(*args, **kwargs)), expected)

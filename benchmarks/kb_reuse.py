@@ -48,7 +48,8 @@ def child(args: argparse.Namespace) -> dict:
     with torch.no_grad(), using(kb) as s:
         sync()
         t0 = time.perf_counter()
-        opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify)
+        opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify,
+                            keep_original=True)
         sync()
         t1 = time.perf_counter()
         opt(*w.args, **w.kwargs)

@@ -161,7 +161,7 @@ def bench_block(rank: int, world: int, group: str, args: argparse.Namespace) -> 
             label = name + (", CUDA graph" if graphs else "")
             try:
                 opt = kopt.optimize(local.model, local.args, local.kwargs, config,
-                                    cuda_graphs=graphs)
+                                    cuda_graphs=graphs, keep_original=True)
             except Exception as exc:  # noqa: BLE001 -- reported in the results, the rest runs
                 out[label] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 continue

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,7 +33,8 @@ from kopt.cudagraphs import (
 from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
 from kopt.graph.regions import CachedRegion, cached_regions
-from kopt.memory import MemoryHeld, memory_held
+from kopt.memory import MemoryHeld, memory_held, tensors_read
+from kopt.offload import HostCopies
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
 from kopt.passes.pipeline import format_pass_line
@@ -194,6 +197,11 @@ class _Specialization:
             lines.append("CUDA graphs: off (the inputs are not on a CUDA device)")
         return lines
 
+    def stale(self) -> bool:
+        """Whether a parameter a load program reads was changed in place since packing."""
+        return any(t._version != v for (t, _), v in zip(self.sources, self.versions,
+                                                         strict=True))
+
     def refresh_if_stale(self) -> None:
         """Re-run the load programs whose parameters were changed in place since packing."""
         stale: dict[int, tuple[LoadProgram, list[str]]] = {}
@@ -219,6 +227,9 @@ def write_constant(dst: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if dst.shape != value.shape:
         raise KoptError(f"kopt: re-packed constant {name} has shape {tuple(value.shape)}, "
                         f"the graph holds {tuple(dst.shape)}; re-optimize the model")
+    if (dst.data_ptr(), dst.shape, dst.stride()) == (value.data_ptr(), value.shape,
+                                                     value.stride()):
+        return  # a constant that views its parameter: writing it would only bump a version
     broadcast = [d for d in range(dst.dim()) if dst.stride(d) == 0 and dst.shape[d] > 1]
     if not broadcast:
         dst.copy_(value)
@@ -288,8 +299,10 @@ class OptimizedModule:
 
     def __init__(self, model: torch.nn.Module, first: _Specialization, config: PassConfig,
                  verify: VerifyOptions, dump_dir: Path | None, cuda_graphs: CudaGraphs = "auto",
-                 execution_plan: bool = True) -> None:
+                 execution_plan: bool = True, keep_original: bool = False) -> None:
         self.original = model
+        self.keep_original = keep_original
+        self._host = HostCopies()
         self.config = config
         self._verify = verify
         self._dump_dir = dump_dir
@@ -305,6 +318,10 @@ class OptimizedModule:
         self._constants: dict[str, torch.Tensor] = {}
         self._pool: Any = None  # the CUDA graph memory pool every specialisation captures into
         self._adopt(first)
+        self._move_superseded()
+        # weights moved to host memory come back if this module goes before the model does
+        self._finalizer = weakref.finalize(self, self._host.restore)
+        self._finalizer.atexit = False
 
     @property
     def report(self) -> Report:
@@ -353,17 +370,22 @@ class OptimizedModule:
                                   f"optimized; running the original model ({why})",
                                   stacklevel=2)
                     self._warned = True
-                return self.original(*args, **kwargs)
+                with self._host.on_device():
+                    return self.original(*args, **kwargs)
             log.info("kopt: new input signature; capturing and optimizing again")
-            spec_entry = _specialize(self.original, args, kwargs, self.config, self._verify,
-                                     self._dump_dir, cost=self._cost,
-                                     cuda_graphs=_will_replay(self.cuda_graphs, flat))
-            self._specs[key] = spec_entry
-            self._adopt(spec_entry)
-            if len(self._specs) == 1:
-                self._first_key = key
-                self._watched = _watch_identity(self.original, spec_entry.gm)
-        spec_entry.refresh_if_stale()
+            with self._host.on_device():
+                spec_entry = _specialize(self.original, args, kwargs, self.config,
+                                         self._verify, self._dump_dir, cost=self._cost,
+                                         cuda_graphs=_will_replay(self.cuda_graphs, flat))
+                self._specs[key] = spec_entry
+                self._adopt(spec_entry)
+                if len(self._specs) == 1:
+                    self._first_key = key
+                    self._watched = _watch_identity(self.original, spec_entry.gm)
+                self._move_superseded()
+        if spec_entry.stale():
+            with self._host.on_device():  # the load programs read the moved weights
+                spec_entry.refresh_if_stale()
         with torch.no_grad():
             out = self._run(spec_entry, flat)
         return spec_entry.captured.unflatten_outputs(out)
@@ -409,6 +431,47 @@ class OptimizedModule:
             spec.plan = build_plan(spec.gm, example)
         self._refresh_report(spec)
 
+    @contextmanager
+    def original_weights(self) -> Iterator[torch.nn.Module]:
+        """The original model with all its weights on their device, for the block's duration
+        (to run it, or to change weights in place: what changed is re-packed when the block
+        ends). Outside it, the weights the optimized graphs no longer read (the BF16 weights
+        FP8 replaced) are in host memory unless ``keep_original=True``."""
+        with self._host.on_device():
+            try:
+                yield self.original
+            finally:
+                for spec in self._specs.values():
+                    spec.refresh_if_stale()
+
+    def restore_original(self) -> torch.nn.Module:
+        """Put every weight moved to host memory back on its device for good (this module
+        keeps working, and moves nothing from now on); returns the original model."""
+        self._host.restore()
+        self.keep_original = True
+        for spec in self._specs.values():
+            self._refresh_report(spec)
+        return self.original
+
+    def _move_superseded(self) -> None:
+        """Move to host memory the model's weights that no optimized graph reads and that a
+        load program packed (``kopt.passes.fold``): the BF16 weights FP8 replaced. A storage
+        a graph still reads (a tied weight, a packed buffer the parameters view) stays."""
+        if self.keep_original:
+            return
+        read = {t.untyped_storage()._cdata for t in tensors_read(self._graphs())}
+        owned = {t.untyped_storage()._cdata for t in (*self.original.parameters(),
+                                                      *self.original.buffers())}
+        superseded = [t for spec in self._specs.values() for t, _ in spec.sources
+                      if t.untyped_storage()._cdata in owned - read]
+        if self._host.move(superseded):
+            for spec in self._specs.values():
+                self._refresh_report(spec)
+
+    def _graphs(self) -> list[fx.GraphModule]:
+        graphs = [s.gm for s in self._specs.values()]
+        return graphs + [s.plan.gm for s in self._specs.values() if s.plan is not None]
+
     def _refresh_report(self, spec: _Specialization) -> None:
         spec.report.runtime[:] = [*spec.runtime_lines(self.cuda_graphs),
                                   self.memory().describe()]
@@ -417,10 +480,8 @@ class OptimizedModule:
         """What this module holds now, by kind (:mod:`kopt.memory`): the model's weights its
         graphs read, packed constants, hoisted caches, the CUDA-graph pool, and the model's
         weights only the original model reads."""
-        graphs = [s.gm for s in self._specs.values()]
-        graphs += [s.plan.gm for s in self._specs.values() if s.plan is not None]
         pool = pool_bytes(self._pool) if self._pool is not None else None
-        return memory_held(self.original, graphs, pool)
+        return memory_held(self.original, self._graphs(), pool, host=self._host.nbytes)
 
     def clear_caches(self) -> None:
         """Empty every hoisted region's cache (a new denoising loop: entries of the last run
@@ -556,6 +617,7 @@ def optimize(
     cuda_graphs: CudaGraphs = "auto",
     cost: CostModel | None = None,
     execution_plan: bool = True,
+    keep_original: bool = False,
 ) -> OptimizedModule:
     """Optimize ``model`` for inputs like ``(args, kwargs)``.
 
@@ -572,17 +634,29 @@ def optimize(
     ``execution_plan``: run the graph in its cheapest form for the host (:mod:`kopt.runtime`:
     fused ops launched directly, views folded), bitwise the optimized graph; ``False`` runs the
     optimized graph through the dispatcher, as verified.
+    ``keep_original``: keep on the GPU the model's weights the optimized graphs no longer read
+    (the BF16 weights FP8 packed at load time). By default they move to host memory once the
+    optimization is done: the original model and its parameters stay as they are, and
+    :meth:`OptimizedModule.original_weights` brings them back for what needs them.
     """
     if model.training:
         warnings.warn("kopt optimizes inference: the model is in training mode, so dropout and "
                       "batch-norm statistics are traced as in training; call model.eval() first",
                       stacklevel=2)
     cuda_graphs = _check_cuda_graphs(cuda_graphs)
+    moved = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+             if t.numel() and t.untyped_storage().nbytes() == 0]
+    if moved:
+        raise KoptError(f"kopt: {len(moved)} weights of this model ({moved[0]}, ...) are in host "
+                        "memory, moved there by the module an earlier kopt.optimize returned; "
+                        "optimize inside `with opt.original_weights():`, call "
+                        "opt.restore_original() first, or pass keep_original=True to the first")
     dump = Path(dump_dir) if dump_dir else None
     flat, _ = flatten_inputs(tuple(args), kwargs)
     first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost,
                         cuda_graphs=_will_replay(cuda_graphs, flat))
-    opt = OptimizedModule(model, first, config, verify, dump, cuda_graphs, execution_plan)
+    opt = OptimizedModule(model, first, config, verify, dump, cuda_graphs, execution_plan,
+                          keep_original)
     opt._cost = cost
     return opt
 

@@ -471,7 +471,8 @@ def _optimized_with(args: argparse.Namespace, kb_session: Any):  # noqa: ANN202
                              calls_per_step=_calls_per_step(args),
                              min_saving_ms=args.min_saving)
         opt = optimize(model, margs, mkwargs, config, verify=verify, dump_dir=args.dump,
-                       cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], cost=cost)
+                       cuda_graphs=CUDA_GRAPHS[args.cuda_graphs], cost=cost,
+                       keep_original=bool(args.bench))  # --bench times the model too
     except kopt.CaptureError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None

@@ -9,7 +9,9 @@ are one allocation), and only where they hold memory (not on the ``meta`` device
 * ``original_only``: the model's parameters and buffers that no optimized graph reads, kept
   alive by the original model alone (the BF16 weights that FP8 replaced, for one);
 * ``caches``: the outputs hoisted regions hold for the timesteps they have seen;
-* ``graph_pool``: the CUDA-graph memory pool the module's graphs share (None before a capture).
+* ``graph_pool``: the CUDA-graph memory pool the module's graphs share (None before a capture);
+* ``host``: the model's weights no graph reads that were moved to host memory
+  (``kopt.offload``), which frees their device memory.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class MemoryHeld:
     original_only: int
     caches: int
     graph_pool: int | None
+    host: int = 0  # the model's weights moved to host memory (``kopt.offload``)
 
     @property
     def optimized(self) -> int:
@@ -48,7 +51,9 @@ class MemoryHeld:
         return (f"memory held: {_size(self.weights)} of the model's weights read by the graph, "
                 f"{_size(self.packed)} packed constants, {_size(self.caches)} hoisted caches"
                 f"{pool}; besides, {_size(self.original_only)} of the model's weights that "
-                "only the original model reads")
+                "only the original model reads"
+                + (f", and {_size(self.host)} of them moved to host memory "
+                   "(keep_original=True keeps them on the device)" if self.host else ""))
 
 
 def _size(n: int) -> str:
@@ -63,7 +68,7 @@ def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
     return (t.device.type, t.device.index, s.data_ptr(), s.nbytes()), s.nbytes()
 
 
-def _tensors_read(graphs: Iterable[fx.GraphModule]) -> list[torch.Tensor]:
+def tensors_read(graphs: Iterable[fx.GraphModule]) -> list[torch.Tensor]:
     out = []
     for gm in graphs:
         for mod in gm.modules():
@@ -78,7 +83,8 @@ def _tensors_read(graphs: Iterable[fx.GraphModule]) -> list[torch.Tensor]:
 
 
 def memory_held(model: torch.nn.Module | Iterable[torch.Tensor],
-                graphs: Iterable[fx.GraphModule], graph_pool: int | None) -> MemoryHeld:
+                graphs: Iterable[fx.GraphModule], graph_pool: int | None,
+                host: int = 0) -> MemoryHeld:
     """What ``model`` (a module, or the parameters and buffers a dynamo graph was given)
     optimized into ``graphs`` (each with its hoisted regions) holds."""
     graphs = list(graphs)
@@ -89,7 +95,7 @@ def memory_held(model: torch.nn.Module | Iterable[torch.Tensor],
         if (s := _storage(t)) is not None:
             owned[s[0]] = s[1]
     read: dict[tuple, int] = {}
-    for t in _tensors_read(graphs):
+    for t in tensors_read(graphs):
         if (s := _storage(t)) is not None:
             read[s[0]] = s[1]
     caches: dict[tuple, int] = {}
@@ -105,4 +111,4 @@ def memory_held(model: torch.nn.Module | Iterable[torch.Tensor],
         packed=sum(n for k, n in read.items() if k not in owned),
         original_only=sum(n for k, n in owned.items() if k not in read),
         caches=sum(n for k, n in caches.items() if k not in read),
-        graph_pool=graph_pool)
+        graph_pool=graph_pool, host=host)

@@ -48,7 +48,8 @@ def main() -> None:
                             ("kopt-no-merge", kopt.PassConfig(merge_projections=False))]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify)
+        opt = kopt.optimize(w.model, w.args, w.kwargs, config, verify=verify,
+                            keep_original=True)
         row[f"{variant}_optimize_s"] = time.perf_counter() - t0
         print(opt.report, flush=True)
         row[f"{variant}_ms"] = time_ms(lambda opt=opt: w.run(opt), args.iters)

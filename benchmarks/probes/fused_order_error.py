@@ -175,7 +175,7 @@ def main() -> None:
             if name == "kopt-fp32-without":
                 config = config.replace(**dict.fromkeys(arg.split(","), False))
             opt = kopt.optimize(w.model, w.args, w.kwargs, config,
-                                verify=VerifyOptions(enabled=False))
+                                verify=VerifyOptions(enabled=False), keep_original=True)
             outs = run(lambda *a, **k: opt(*a, **k))  # noqa: B023
             del opt  # its packed FP8 weights
         errs = [relative_error(o, r) for o, r in zip(outs, ref, strict=True)]

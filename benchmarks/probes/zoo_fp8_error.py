@@ -33,7 +33,7 @@ def main() -> None:
         w = build(name, device=args.device, dtype=torch.bfloat16)
         fp8 = kopt.FP8Config(min_features=16)
         opt = kopt.optimize(w.model, w.args, w.kwargs, kopt.PassConfig(fp8=fp8),
-                            verify=kopt.VerifyOptions(enabled=False))
+                            verify=kopt.VerifyOptions(enabled=False), keep_original=True)
         errors = per_input_errors(w, opt, fp8, args.inputs)
         ratios = " ".join(f"{a / r:.3f}" for a, r in errors)
         mean = sum(a for a, _ in errors) / sum(r for _, r in errors)

@@ -111,13 +111,24 @@ class KoptTransformer(torch.nn.Module):
         return reconfigure
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._weights_back()  # the caller keeps the tensors: they must hold their values
         return self.transformer.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         # In place: kopt re-packs what it packed; assign=True replaces parameters: re-optimized.
-        return self.transformer.load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.optimized is None:
+            return self.transformer.load_state_dict(state_dict, strict=strict, assign=assign)
+        with self.optimized.original_weights() as transformer:
+            return transformer.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _weights_back(self) -> None:
+        """The weights kopt moved to host memory back on their device for good."""
+        if self.optimized is not None:
+            self.optimized.restore_original()
 
     def to(self, *args: Any, **kwargs: Any) -> KoptTransformer:
+        if _moves_or_casts(self.transformer, args, kwargs):
+            self._weights_back()  # copied to the new device or dtype: they need their values
         before = _placement(self.transformer)
         self.transformer.to(*args, **kwargs)  # the model's own .to, with diffusers' checks
         if _placement(self.transformer) != before:
@@ -126,6 +137,7 @@ class KoptTransformer(torch.nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> KoptTransformer:
+        self._weights_back()
         super()._apply(fn, recurse)
         self.reset("the transformer was moved or cast")
         return self
@@ -135,12 +147,14 @@ class KoptTransformer(torch.nn.Module):
         the unmodified transformer (kopt's passes under torch.compile: ``backend="kopt"``)."""
         self._fall_back("torch.compile traces the transformer itself (compile it with "
                         "backend=\"kopt\" for kopt's passes under torch.compile)")
+        self._weights_back()
         super().compile(*args, **kwargs)
 
     def reset(self, why: str = "reset") -> None:
         """Drop the optimized graphs: the next call captures the transformer as it is then."""
         if self.optimized is not None:
             log.info("kopt: %s; optimizing again on the next call", why)
+        self._weights_back()
         self.optimized = None
         self._hooks_checked = False
         self._failed.clear()
@@ -148,15 +162,15 @@ class KoptTransformer(torch.nn.Module):
     # The call.
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return self.transformer(*args, **kwargs)
+            return self._original(*args, **kwargs)
         why = self._why_unoptimized()
         if why is not None:
             self._fall_back(why)
-            return self.transformer(*args, **kwargs)
+            return self._original(*args, **kwargs)
         flat, spec = flatten_inputs(args, kwargs)
         signature = (str(spec), input_signature(flat))
         if signature in self._failed:
-            return self.transformer(*args, **kwargs)
+            return self._original(*args, **kwargs)
         try:
             if self.optimized is None:
                 self.optimized = optimize(self.transformer, args, kwargs, self.pass_config,
@@ -166,7 +180,15 @@ class KoptTransformer(torch.nn.Module):
             self._failed[signature] = str(exc)
             where = f" at {exc.where}" if exc.where else ""
             self._fall_back(f"{exc.kind}{where}: {exc.detail}")
-            return self.transformer(*args, **kwargs)
+            return self._original(*args, **kwargs)
+
+    def _original(self, *args: Any, **kwargs: Any) -> Any:
+        """The transformer itself, with the weights kopt moved to host memory back on its
+        device for the call."""
+        if self.optimized is None or torch.compiler.is_compiling():
+            return self.transformer(*args, **kwargs)  # compile() brought the weights back
+        with self.optimized.original_weights() as transformer:
+            return transformer(*args, **kwargs)
 
     def _why_unoptimized(self) -> str | None:
         """Hooks that replace or wrap forward: kopt's graph would bypass them."""
@@ -256,6 +278,8 @@ def restore(pipe: Any, component: str = "transformer") -> torch.nn.Module:
     wrapper = getattr(pipe, component, None)
     if not isinstance(wrapper, KoptTransformer):
         raise KoptError(f"pipe.{component} is not optimized by kopt")
+    if wrapper.optimized is not None:
+        wrapper.optimized.restore_original()  # the weights it moved to host memory
     object.__setattr__(pipe, component, wrapper.transformer)
     return wrapper.transformer
 
@@ -285,6 +309,18 @@ def _hooks(model: torch.nn.Module) -> str | None:
             return (f"diffusers hooks {', '.join(names)} {where} (a cache, group offloading or "
                     "layerwise casting) change what forward does from call to call")
     return None
+
+
+def _moves_or_casts(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``model.to(*args, **kwargs)`` would copy a parameter (another device or dtype)."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    for t in model.parameters():
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            return True
+        if device is not None and (device.type != t.device.type or (
+                device.index is not None and device.index != t.device.index)):
+            return True
+    return False
 
 
 def _placement(model: torch.nn.Module) -> list[tuple[int, torch.dtype]]:

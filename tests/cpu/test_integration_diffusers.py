@@ -313,3 +313,34 @@ def test_flux2_exact_tier_images_are_bitwise_equal() -> None:
     assert torch.equal(run(), plain)
     assert _delta(handle.cache_stats(), before) == {"{guidance, timestep}": (0, STEPS),
                                                     "{img_ids, txt_ids}": (STEPS - 1, 1)}
+
+
+def test_weights_kopt_moved_to_host_come_back_for_what_reads_them(qwen_parts, monkeypatch) -> None:  # noqa: ANN001
+    """With FP8 the BF16 weights the graphs no longer read leave the device (here the CPU's
+    own tensors move, as CUDA's do by default); the pipeline's images stay the same, and what
+    reads the weights (a fallback call, state_dict, a cast, restore) gets them back."""
+    from kopt import offload
+    from kopt.passes import FP8Config
+
+    monkeypatch.setattr(offload, "OFFLOAD_DEVICES", ("cuda", "cpu"))
+    pipe = _qwen_pipe(qwen_parts)
+    original = pipe.transformer
+    config = PassConfig(fp8=FP8Config(min_features=16))
+    plain = _qwen_run(pipe, "latent")
+    handle = optimize_pipeline(pipe, config=config, verify=False)
+    first = _qwen_run(pipe, "latent")
+    assert handle.optimized.memory().host > 0
+    emptied = [n for n, p in original.named_parameters() if p.untyped_storage().nbytes() == 0]
+    assert emptied
+    _forget(handle)
+    assert torch.equal(_qwen_run(pipe, "latent"), first)
+    pipe.to("cpu")  # nothing moves: the weights stay in host memory
+    assert handle.optimized.memory().host > 0
+    with handle.optimized.original_weights() as model:
+        assert model is original and all(p.untyped_storage().nbytes() for p in
+                                          model.parameters())
+    state = handle.state_dict()  # the caller keeps these tensors: back for good
+    assert all(t.untyped_storage().nbytes() for t in state.values())
+    assert handle.optimized.memory().host == 0
+    assert restore(pipe) is original
+    assert torch.equal(_qwen_run(pipe, "latent"), plain)

@@ -1,0 +1,42 @@
+"""The BF16 weights FP8 replaced leave the GPU once kopt is done, and come back bit for bit.
+
+    pytest -q tests/gpu/test_offload_gpu.py
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import kopt
+from kopt.models import build
+
+pytestmark = pytest.mark.gpu
+
+FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
+
+
+def test_replaced_weights_leave_the_gpu_and_come_back_bit_for_bit() -> None:
+    w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
+    expected = w.run()
+    kept = kopt.optimize(w.model, w.args, w.kwargs, FP8, keep_original=True)
+    want = w.run(kept)
+    torch.cuda.synchronize()
+    with_copies = torch.cuda.memory_allocated()
+    del kept
+    gc.collect()
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    torch.cuda.synchronize()
+    held = opt.memory()
+    assert held.host > 0
+    # the device holds what keep_original held, less the bytes moved to host memory
+    assert torch.cuda.memory_allocated() <= with_copies - held.host
+    for _ in range(3):  # the third call captures the CUDA graph
+        assert torch.equal(w.run(opt), want)
+    with opt.original_weights() as model:
+        assert torch.equal(w.run(model), expected)
+    assert torch.equal(w.run(opt), want)
+    opt.restore_original()
+    assert opt.memory().host == 0 and torch.equal(w.run(), expected)
