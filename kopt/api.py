@@ -34,7 +34,7 @@ from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
 from kopt.graph.regions import CachedRegion, cached_regions
 from kopt.memory import MemoryHeld, memory_held, tensors_read
-from kopt.offload import HostCopies
+from kopt.offload import HostCopies, bring_back
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
 from kopt.passes.pipeline import format_pass_line
@@ -303,6 +303,7 @@ class OptimizedModule:
         self.original = model
         self.keep_original = keep_original
         self._host = HostCopies()
+        self._hooks: list[Any] = []  # forward pre-hooks on the original model
         self.config = config
         self._verify = verify
         self._dump_dir = dump_dir
@@ -449,15 +450,43 @@ class OptimizedModule:
         keeps working, and moves nothing from now on); returns the original model."""
         self._host.restore()
         self.keep_original = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         for spec in self._specs.values():
             self._refresh_report(spec)
         return self.original
+
+    def _watch_original_calls(self) -> None:
+        """A forward pre-hook on the original model and on every module owning a moved weight:
+        calling them brings the weights back for good, so the original model keeps working
+        (at the memory it held), and says so once."""
+        if self._hooks or not self._host.moved:
+            return
+        moved = {k for k in self._host._moved}
+        owners = [m for m in self.original.modules() if any(
+            t.untyped_storage()._cdata in moved
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+        host, me = self._host, weakref.ref(self)  # the model must not keep this module alive
+
+        def called(module: torch.nn.Module, args: Any) -> None:
+            if host.moved:
+                warnings.warn(f"kopt: {type(module).__name__} was called with weights kopt had "
+                              f"moved to host memory ({host.nbytes / 2**30:.2f} GiB); they are "
+                              "back on the device for good (kopt.optimize(..., "
+                              "keep_original=True) keeps them there)", stacklevel=2)
+                opt = me()
+                opt.restore_original() if opt is not None else host.restore()
+
+        self._hooks = [m.register_forward_pre_hook(called) for m in {id(m): m for m in
+                                                                        (self.original, *owners)
+                                                                        }.values()]
 
     def _move_superseded(self) -> None:
         """Move to host memory the model's weights that no optimized graph reads and that a
         load program packed (``kopt.passes.fold``): the BF16 weights FP8 replaced. A storage
         a graph still reads (a tied weight, a packed buffer the parameters view) stays."""
-        if self.keep_original:
+        if self.keep_original or self._host.done:
             return
         read = {t.untyped_storage()._cdata for t in tensors_read(self._graphs())}
         owned = {t.untyped_storage()._cdata for t in (*self.original.parameters(),
@@ -467,6 +496,7 @@ class OptimizedModule:
         if self._host.move(superseded):
             for spec in self._specs.values():
                 self._refresh_report(spec)
+        self._watch_original_calls()
 
     def _graphs(self) -> list[fx.GraphModule]:
         graphs = [s.gm for s in self._specs.values()]
@@ -644,13 +674,10 @@ def optimize(
                       "batch-norm statistics are traced as in training; call model.eval() first",
                       stacklevel=2)
     cuda_graphs = _check_cuda_graphs(cuda_graphs)
-    moved = [name for name, t in (*model.named_parameters(), *model.named_buffers())
-             if t.numel() and t.untyped_storage().nbytes() == 0]
-    if moved:
-        raise KoptError(f"kopt: {len(moved)} weights of this model ({moved[0]}, ...) are in host "
-                        "memory, moved there by the module an earlier kopt.optimize returned; "
-                        "optimize inside `with opt.original_weights():`, call "
-                        "opt.restore_original() first, or pass keep_original=True to the first")
+    if bring_back([*model.parameters(), *model.buffers()]):
+        warnings.warn("kopt: this model's weights that an earlier kopt.optimize moved to host "
+                      "memory are back on the device for good (keep_original=True keeps them "
+                      "there from the start)", stacklevel=2)
     dump = Path(dump_dir) if dump_dir else None
     flat, _ = flatten_inputs(tuple(args), kwargs)
     first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost,

@@ -13,6 +13,7 @@ bit for bit.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -23,6 +24,23 @@ log = logging.getLogger("kopt")
 # Devices whose weights are moved to host memory: where memory is scarce and the host's is not
 # the same memory (the CPU tests add "cpu" to exercise the mechanism).
 OFFLOAD_DEVICES: tuple[str, ...] = ("cuda",)
+# Storages smaller than this stay (a rotary table's 32 bytes are not worth a round trip).
+MIN_BYTES = 1 << 20
+
+# storage identity -> the HostCopies holding its bytes, for whatever meets a moved weight
+_HOLDERS: weakref.WeakValueDictionary[int, HostCopies] = weakref.WeakValueDictionary()
+
+
+def bring_back(tensors: Iterable[torch.Tensor]) -> int:
+    """Put every moved storage of ``tensors`` back on its device for good, with every other
+    storage its holder moved (the holder then moves nothing more); returns how many holders
+    gave theirs back. For the original model called, or optimized again, after kopt moved its
+    weights: it then works as it did, holding its memory again."""
+    holders = {id(h): h for t in tensors
+               if (h := _HOLDERS.get(t.untyped_storage()._cdata)) is not None}
+    for holder in holders.values():
+        holder.restore()
+    return len(holders)
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -50,6 +68,7 @@ class HostCopies:
         # storage identity -> (the storage, its bytes in host memory)
         self._moved: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
         self._depth = 0  # nested on_device() blocks
+        self.done = False  # restored for good: moves nothing more
 
     @property
     def nbytes(self) -> int:
@@ -66,12 +85,14 @@ class HostCopies:
         for t in tensors:
             storage = t.untyped_storage()
             key = storage._cdata
-            if t.device.type not in OFFLOAD_DEVICES or storage.nbytes() == 0:
+            if (self.done or t.device.type not in OFFLOAD_DEVICES
+                    or storage.nbytes() < max(MIN_BYTES, 1)):
                 continue
             if key in self._moved and not self._depth:
                 continue
             if key not in self._moved:
                 self._moved[key] = (storage, _host_buffer(storage))
+                _HOLDERS[key] = self
             if self._depth:
                 continue
             storage_, host = self._moved[key]
@@ -98,11 +119,19 @@ class HostCopies:
                     host.copy_(_as_bytes(storage))
                     storage.resize_(0)
 
+    @property
+    def moved(self) -> bool:
+        """Whether storages are off their device now."""
+        return bool(self._moved) and self._depth == 0
+
     def restore(self) -> None:
-        """Every moved storage back on its device for good."""
+        """Every moved storage back on its device for good; nothing moves from then on."""
         if self._depth == 0:
             self._bring_back()
+        for key in self._moved:
+            _HOLDERS.pop(key, None)
         self._moved.clear()
+        self.done = True
 
     def _bring_back(self) -> None:
         for storage, host in self._moved.values():

@@ -18,6 +18,7 @@ FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
 @pytest.fixture(autouse=True)
 def _cpu_moves(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(offload, "OFFLOAD_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny models' weights move too
 
 
 def _emptied(model: torch.nn.Module) -> list[str]:
@@ -68,14 +69,32 @@ def test_a_new_input_signature_and_an_in_place_change_see_the_weights() -> None:
     assert torch.equal(w.run(opt), want)
 
 
-def test_optimizing_a_model_whose_weights_left_says_so() -> None:
+def test_the_original_model_called_or_optimized_again_gets_its_weights_back() -> None:
+    """Calling the original model (or one of its modules), or optimizing it again, puts the
+    moved weights back for good, with a warning: the original model keeps working."""
     w = build("qwen-image-tiny")
+    expected = w.run()
     opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
-    with pytest.raises(kopt.KoptError, match="in host memory.*original_weights"):
-        kopt.optimize(w.model, w.args, w.kwargs, FP8)
-    with opt.original_weights() as model:
-        again = kopt.optimize(model, w.args, w.kwargs, FP8, keep_original=True)
-    assert torch.equal(w.run(again), w.run(opt))
+    want = w.run(opt)
+    assert _emptied(w.model)
+    with pytest.warns(UserWarning, match="back on the device for good"):
+        assert torch.equal(w.run(), expected)
+    assert _emptied(w.model) == [] and opt.memory().host == 0
+    assert torch.equal(w.run(opt), want)
+    other = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    assert _emptied(w.model)
+    with pytest.warns(UserWarning, match="back on the device for good"):
+        again = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    # the first module gave its weights back for good; the new one moved them again
+    assert other.memory().host == 0 and again.memory().host > 0
+    assert torch.equal(w.run(again), w.run(other))
+    linear = next(m for m in w.model.modules() if isinstance(m, torch.nn.Linear)
+                  and m.weight.untyped_storage().nbytes() == 0)
+    x = torch.randn(3, linear.in_features)
+    with pytest.warns(UserWarning, match="Linear was called"):
+        y = linear(x)  # a module of the model, called on its own
+    assert again.memory().host == 0 and _emptied(w.model) == []
+    assert torch.equal(y, torch.nn.functional.linear(x, linear.weight, linear.bias))
 
 
 def test_keep_original_moves_nothing() -> None:
