@@ -36,8 +36,8 @@ def bring_back(tensors: Iterable[torch.Tensor]) -> int:
     storage its holder moved (the holder then moves nothing more); returns how many holders
     gave theirs back. For the original model called, or optimized again, after kopt moved its
     weights: it then works as it did, holding its memory again."""
-    holders = {id(h): h for t in tensors
-               if (h := _HOLDERS.get(t.untyped_storage()._cdata)) is not None}
+    holders = {id(h): h for t in tensors  # (inside on_device() they are back already)
+               if (h := _HOLDERS.get(t.untyped_storage()._cdata)) is not None and h.moved}
     for holder in holders.values():
         holder.restore()
     return len(holders)

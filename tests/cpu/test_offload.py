@@ -67,6 +67,7 @@ def test_a_new_input_signature_and_an_in_place_change_see_the_weights() -> None:
             dict(model.named_parameters())[name].mul_(2)  # re-packed when the block ends
         want = w.run(kopt.optimize(model, w.args, w.kwargs, FP8, keep_original=True))
     assert torch.equal(w.run(opt), want)
+    assert set(moved) <= set(_emptied(w.model))  # optimizing inside the block kept the move
 
 
 def test_the_original_model_called_or_optimized_again_gets_its_weights_back() -> None:
