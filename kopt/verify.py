@@ -18,6 +18,10 @@ Each pass declares a numerics tier (:class:`kopt.patterns.core.Numerics`):
   is the network's property, and an end-to-end bound would accept or reject the same rewrite
   depending on where in the model it sits.
 
+The pipeline checks each pass against a :class:`Baseline`: the outputs the graph before it
+gave when it was itself checked, and an fp64 run kept until a ``bounded`` pass changes the
+function, so a check runs the rewritten graph once and the fp64 reference only when it changed.
+
 Inputs are drawn afresh per seed: floating tensors from a normal with the example's mean and
 standard deviation, so a timestep stays a timestep-sized number; integer and bool tensors (ids,
 positions, masks) and Python values are kept, since random ids or masks change the model's
@@ -298,45 +302,142 @@ def mutated_attributes(gm: fx.GraphModule) -> list[torch.Tensor]:
     return out
 
 
+# Outputs (and their fp64 runs) kept from pass to pass: at most this many bytes in all, else
+# each pass runs the graph before it again (an LLM's prefill logits: 1.2 GB per seed in fp32).
+BASELINE_BYTES = 1 << 30
+
+
+class Baseline:
+    """What the next pass's rewritten graph is checked against, carried from pass to pass: per
+    seed, the outputs of the graph the passes have accepted so far, and their fp64 run.
+
+    A pass's accepted graph computed its outputs while it was verified, so the next pass need
+    not run it again. The fp64 run is kept across passes that compute the same function as the
+    graph before them (tiers ``exact`` and ``tolerance``: only their roundings differ, by
+    their own declarations), and computed again after a ``bounded`` pass, which changes the
+    function on purpose (FP8 quantizes the weights). Where the kept values would exceed
+    :data:`BASELINE_BYTES` they are not kept (each check then runs the graph before it, as
+    :func:`compare` does).
+    """
+
+    def __init__(self, gm: fx.GraphModule, example: Sequence[Any], options: VerifyOptions
+                 ) -> None:
+        self.gm = gm
+        self.example = example
+        self.options = options
+        self.want: dict[int, list[Any]] = {}
+        self.ref: dict[int, list[Any]] = {}
+        # (graph, its outputs per seed): the last graph checked that passed on every seed
+        self._checked: tuple[fx.GraphModule, dict[int, list[Any]]] | None = None
+        self.keep = True  # False once the values were too large to keep
+
+    def outputs(self, seed: int, inputs: Sequence[Any]) -> list[Any]:
+        """The accepted graph's outputs on ``seed``'s inputs."""
+        if seed in self.want:
+            return self.want[seed]
+        out = run_flat(self.gm, inputs)
+        if self.keep:
+            self.want[seed] = _owned(self.gm, out)
+            self._fit()
+        return out
+
+    def fp64(self, seed: int, inputs: Sequence[Any]) -> list[Any]:
+        """The fp64 run of the accepted graph (or of one computing the same function)."""
+        if seed in self.ref:
+            return self.ref[seed]
+        out = run_fp64(self.gm, inputs)
+        if self.keep:
+            self.ref[seed] = out
+            self._fit()
+        return out
+
+    def checked(self, gm: fx.GraphModule, outputs: dict[int, list[Any]]) -> None:
+        """``gm`` passed its check on every seed with these outputs."""
+        self._checked = (gm, {seed: _owned(gm, out) for seed, out in outputs.items()}
+                         ) if self.keep else None
+
+    def accept(self, gm: fx.GraphModule, numerics: Numerics) -> None:
+        """The passes go on from ``gm``, the graph a pass of tier ``numerics`` left: its outputs
+        are the ones it was checked with; a graph it was not checked as (every site reverted, or
+        nothing matched) computes what the graph before it did, bit for bit."""
+        if gm is self.gm:
+            return
+        if self._checked is not None and self._checked[0] is gm:
+            self.want = self._checked[1]
+            if numerics.tier == "bounded":
+                self.ref = {}
+        self.gm, self._checked = gm, None
+
+    def _fit(self) -> None:
+        held = sum(_nbytes(v) for d in (self.want, self.ref) for out in d.values() for v in out)
+        if held > BASELINE_BYTES:
+            self.keep = False
+            self.want, self.ref = {}, {}
+
+
+def _owned(gm: fx.GraphModule, outputs: list[Any]) -> list[Any]:
+    """``outputs`` as kept for later checks: copies where the graph has state (a buffer it
+    writes, a cache), since an output may be that state, which the next run writes and
+    :func:`compare` then restores."""
+    if not mutated_attributes(gm) and not _stateful(gm):
+        return outputs
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
+
+
+def _nbytes(x: Any) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
 def compare(
     before: fx.GraphModule,
     after: fx.GraphModule,
     example: Sequence[Any],
     numerics: Numerics,
     options: VerifyOptions = VerifyOptions(),
+    baseline: Baseline | None = None,
 ) -> Verdict:
     """Check ``after`` against ``before`` at ``numerics``'s tier on ``options.seeds``.
+
+    ``baseline``: ``before``'s outputs and fp64 runs kept from earlier checks (its graph must be
+    ``before``); this check's outputs are recorded in it for the next pass.
 
     Buffers either graph writes in place are restored afterwards: verifying leaves the model's
     state (e.g. a KV cache) as it was.
     """
+    if baseline is None:
+        baseline = Baseline(before, example, options)
+        baseline.keep = False
+    elif baseline.gm is not before:
+        raise ValueError("the baseline is of another graph than the one before the pass")
     state = [(t, t.clone()) for t in {id(t): t for t in mutated_attributes(before)
                                       + mutated_attributes(after)}.values()]
     try:
-        return _compare(before, after, example, numerics, options)
+        return _compare(baseline, after, numerics, options)
     finally:
         with torch.no_grad():
             for t, saved in state:
                 t.copy_(saved)
 
 
-def _compare(
-    before: fx.GraphModule,
-    after: fx.GraphModule,
-    example: Sequence[Any],
-    numerics: Numerics,
-    options: VerifyOptions,
-) -> Verdict:
+def _compare(baseline: Baseline, after: fx.GraphModule, numerics: Numerics,
+             options: VerifyOptions) -> Verdict:
     worst_ratio = 0.0
     worst_detail = ""
+    outputs: dict[int, list[Any]] = {}
     for seed in options.seeds:
-        inputs = random_inputs(example, seed)
-        want = run_flat(before, inputs)
+        inputs = random_inputs(baseline.example, seed)
+        want = baseline.outputs(seed, inputs)
+        local = _LocalCheck(after) if numerics.tier == "bounded" else None
         try:
-            got = run_flat(after, inputs)
+            if local is None:
+                got = run_flat(after, inputs)
+            else:  # the run that measures every site gives the outputs too
+                with torch.no_grad():
+                    got = list(pytree.tree_leaves(local.run(*inputs)))
         except Exception as exc:  # noqa: BLE001 -- a rewrite that crashes has failed
             return Verdict(False, numerics.tier, f"seed {seed}: rewritten graph raised "
                                                  f"{type(exc).__name__}: {exc}")
+        outputs[seed] = got
         if len(got) != len(want):
             return Verdict(False, numerics.tier, f"{len(got)} outputs instead of {len(want)}")
         if seed == options.seeds[0] and _stateful(after):
@@ -354,7 +455,7 @@ def _compare(
                     return Verdict(False, "exact", f"seed {seed}, output {i}: {problem}")
             continue
         try:
-            ref = run_fp64(before, inputs)
+            ref = baseline.fp64(seed, inputs)
         except Exception as exc:  # noqa: BLE001 -- unverifiable counts as failed, never as passed
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return Verdict(False, numerics.tier, f"the fp64 reference could not be computed: "
@@ -371,10 +472,7 @@ def _compare(
                                f"{g.dtype}{list(g.shape)} instead of {w.dtype}{list(w.shape)}")
             err_after = relative_error(g, r)
             err_before = max(relative_error(w, r), RTOL_FLOOR.get(w.dtype, 1.3e-6))
-            if numerics.tier == "bounded":
-                local = _LocalCheck(after)
-                with torch.no_grad():
-                    local.run(*inputs)
+            if local is not None:
                 err_site, site = local.worst
                 if not site:
                     return Verdict(False, "bounded", "no site carries a local reference")
@@ -395,6 +493,7 @@ def _compare(
             if ratio >= worst_ratio:
                 worst_ratio = ratio
                 worst_detail = f"rel. error {err_after:.2g} vs fp64, original {err_before:.2g}"
+    baseline.checked(after, outputs)
     n = len(options.seeds)
     if numerics.tier == "exact":
         return Verdict(True, "exact", f"bitwise equal on {n} seeds")

@@ -45,7 +45,7 @@ from kopt.patterns.gemm_epilogue import (
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.patterns.rowwise_fusion import rowwise_fusions
-from kopt.verify import VerifyOptions, agree_across_ranks, compare
+from kopt.verify import Baseline, VerifyOptions, agree_across_ranks, compare
 
 if TYPE_CHECKING:
     from kopt.cost import CostModel, PassPrediction, Ranking
@@ -144,6 +144,8 @@ class PassManager:
         kb = pipeline_run(gm, example_inputs, cuda_graphs=self.cuda_graphs, workload=workload)
         if not snapshots:
             gm = copy_graph_module(gm)  # the captured graph stays as captured
+        # each check's reference: the outputs of the graph the passes accepted so far
+        baseline = Baseline(gm, example_inputs, self.verify) if self.verify.enabled else None
         for i, p in enumerate(self.passes, start=1):
             if (skipped := kb.skip(p, gm)) is not None:
                 results.append(skipped)
@@ -171,11 +173,14 @@ class PassManager:
                      f"; verifying on {len(self.verify.seeds)} seeds"
                      if result.matched and self.verify.enabled else "")
             if result.matched and self.verify.enabled:
-                verdict = compare(gm, candidate, example_inputs, p.numerics, self.verify)
+                verdict = compare(gm, candidate, example_inputs, p.numerics, self.verify,
+                                  baseline)
                 verdict = agree_across_ranks(gm, verdict)  # tensor-parallel graphs
                 if not verdict.passed:
                     candidate, result, verdict = self._salvage(p, gm, example_inputs, result,
-                                                               verdict)
+                                                               verdict, baseline)
+            if baseline is not None:
+                baseline.accept(candidate, p.numerics)
             result = replace(result, verdict=verdict)
             log.debug("%s", format_pass_line(result))
             results.append(result)
@@ -221,7 +226,7 @@ class PassManager:
 
     def _salvage(
         self, p: Pass, gm: fx.GraphModule, example: Sequence[Any], first: PassResult,
-        failed: Verdict,
+        failed: Verdict, baseline: Baseline | None = None,
     ) -> tuple[fx.GraphModule, PassResult, Verdict]:
         """Keep the sites of a failed pass that verify on their own (bisection). A verdict that
         could not be reached at all reverts every site at once: each bisection step would
@@ -240,7 +245,7 @@ class PassManager:
         def verifies(sites: list[str]) -> bool:
             cand = copy_graph_module(gm)
             p.run(cand, set(sites))
-            return compare(gm, cand, example, p.numerics, self.verify).passed
+            return compare(gm, cand, example, p.numerics, self.verify, baseline).passed
 
         def good(sites: list[str]) -> list[str]:
             if not sites or verifies(sites):
@@ -254,7 +259,7 @@ class PassManager:
         if keep:
             cand = copy_graph_module(gm)
             result = p.run(cand, set(keep))
-            verdict = compare(gm, cand, example, p.numerics, self.verify)
+            verdict = compare(gm, cand, example, p.numerics, self.verify, baseline)
             if not verdict.passed:  # sites that verify alone fail together: undo them all
                 keep = []
         reverted = tuple(s for s in first.sites if s not in keep)

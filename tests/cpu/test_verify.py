@@ -263,3 +263,86 @@ def test_fp64_reference_quantizes_weights_the_models_way() -> None:
         (ref,) = pytree_leaves(Spy(gm).run(x))
     assert inputs == {"0": torch.float32, "1": torch.float64}
     assert ref.dtype == torch.float64
+
+
+def _verified_pipeline(monkeypatch, keep: bool) -> tuple[list, list, dict[str, int]]:  # noqa: ANN001
+    """The FP8 pipeline on FLUX.2 tiny, verified on two seeds, counting the graphs run."""
+    import kopt.verify as verify
+    from kopt.models import build
+    from kopt.passes import FP8Config
+
+    w = build("flux2-tiny", dtype=torch.bfloat16)
+    cap = capture_module(w.model, w.args, w.kwargs)
+    runs = {"graph": 0, "fp64": 0}
+    run_flat, fp64 = verify.run_flat, verify.run_fp64
+
+    def counted(fn, key):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            runs[key] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(verify, "run_flat", counted(run_flat, "graph"))
+    monkeypatch.setattr(verify, "run_fp64", counted(fp64, "fp64"))
+    monkeypatch.setattr(verify, "BASELINE_BYTES", verify.BASELINE_BYTES if keep else 0)
+    kept: list[tuple[int, bool]] = []
+    accept = verify.Baseline.accept
+
+    def checked_accept(self, gm, numerics) -> None:  # noqa: ANN001
+        accept(self, gm, numerics)
+        for seed, out in self.want.items():  # what the next pass is checked against
+            again = run_flat(gm, random_inputs(self.example, seed))
+            kept.append((seed, all(torch.equal(a, b) for a, b in zip(out, again, strict=True))))
+
+    monkeypatch.setattr(verify.Baseline, "accept", checked_accept)
+    config = PassConfig(fuse_allreduce_norm=False, fp8=FP8Config(min_features=16))
+    gm, results = PassManager(config, VerifyOptions(seeds=(0, 1))).run(cap.gm, cap.example_inputs)
+    verdicts = [(r.name, r.matched, r.verdict.passed if r.verdict else None,
+                 r.verdict.tier if r.verdict else None) for r in results]
+    outputs = run_flat(gm, random_inputs(cap.example_inputs, 3))
+    assert all(same for _, same in kept)
+    return verdicts, outputs, runs | {"kept": len(kept)}
+
+
+def test_checks_reuse_the_accepted_graphs_outputs_and_fp64_runs(monkeypatch) -> None:  # noqa: ANN001
+    """A pass is checked against the outputs its predecessor was checked with (bit for bit what
+    the accepted graph computes), and against an fp64 run kept across passes that compute the
+    same function: the same verdicts and graph as running everything again, with fewer runs."""
+    reused, out, runs = _verified_pipeline(monkeypatch, keep=True)
+    monkeypatch.undo()
+    again, out_again, runs_again = _verified_pipeline(monkeypatch, keep=False)
+    assert reused == again
+    assert sum(1 for _, matched, passed, _ in reused if matched and passed) >= 4
+    assert all(torch.equal(a, b) for a, b in zip(out, out_again, strict=True))
+    assert runs["kept"] > 0 and runs_again["kept"] == 0
+    # the captured graph's fp64 run, and the FP8 graph's: two per seed
+    assert runs["fp64"] == 4 < runs_again["fp64"]
+    assert runs["graph"] < runs_again["graph"]
+
+
+def test_kept_outputs_are_copies_where_the_graph_writes_state() -> None:
+    """A graph that returns the buffer it writes: the check restores the buffer afterwards, so
+    the outputs kept for the next pass must be copies, or the next check would compare against
+    the restored state."""
+    from torch import fx
+
+    from kopt.verify import Baseline
+
+    class Store(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("acc", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.ops.aten.copy_.default(self.acc, x)
+            return self.acc
+
+    gm = fx.symbolic_trace(Store())
+    example, options = [torch.randn(4)], VerifyOptions(seeds=(0,))
+    base = Baseline(gm, example, options)
+    first = copy_graph_module(gm)
+    assert compare(gm, first, example, exact("a copy"), options, base).passed
+    base.accept(first, exact("a copy"))
+    assert torch.equal(base.want[0][0], random_inputs(example, 0)[0])
+    assert not gm.acc.any()  # restored after the check
+    assert compare(first, copy_graph_module(gm), example, exact("a copy"), options, base).passed
