@@ -260,7 +260,8 @@ def restore(captured: Captured, stored: Stored) -> fx.GraphModule:
         values = program.run()
         out = next(n for n in graph.nodes if n.op == "output").args[0]
         for i in in_place:  # as fold_constants did: the merged weights held once
-            pack_in_place(program.graph_module, out[i], values[i])
+            packed = pack_in_place(program.graph_module, out[i], values[i])
+            values[i] = values[i] if packed is None else packed
         root.update(zip(targets, values, strict=True))
         programs.append(program)
     constants = {t for p in programs for t in p.targets}

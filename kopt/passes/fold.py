@@ -83,14 +83,18 @@ class FoldConstants(Pass):
                 reason = "folded value would be larger than its inputs and > 64 MiB"
                 rejected[reason] = rejected.get(reason, 0) + 1
                 continue
+            views = value.untyped_storage().data_ptr() in storages  # of a parameter already
+            packed = pack_in_place(gm, node, value) if (
+                not views and gm.meta.get(SOURCE_KEY) == "export") else None
+            value = value if packed is None else packed
             const = add_constant(gm, value, hint=node.name)
             node.replace_all_uses_with(const)
             targets.append(const.target)
             kept_values.append(value)
             folded.append(node.name)
-            if value.untyped_storage().data_ptr() in storages:
+            if views:
                 continue
-            if gm.meta.get(SOURCE_KEY) == "export" and pack_in_place(gm, node, value):
+            if packed is not None:
                 aliased += _nbytes(value)
                 in_place.append(len(targets) - 1)
             else:
@@ -135,32 +139,51 @@ def _drop_collectives(graph: fx.Graph, consts: set[fx.Node]) -> list[fx.Node]:
     return kept
 
 
-def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> bool:
-    """Make the parameters a folded row-concatenation was built from views of it.
+def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """Make the parameters a folded row-concatenation was built from views of it; returns the
+    tensor the graph holds for it (None: the concatenation stays a copy of its own).
 
     The merge pass's ``cat([Wq; Wk; Wv])`` would otherwise hold every merged weight twice (W1:
     19.5 GB). Re-pointing each source parameter's ``.data`` at its rows of the packed buffer
     keeps the values, the parameter objects and the model working, and frees the old storage.
-    Parameters already viewing a buffer (packed by another specialisation) stay as they are.
+    Parameters already viewing one buffer, row after row (packed by another specialisation,
+    or an earlier optimization of the model), give that buffer's rows: the concatenation is
+    held once however often the model is optimized.
     """
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if node.target is not torch.ops.aten.cat.default or dim != 0 or not value.is_contiguous():
-        return False
+        return None
     sources = node.args[0]
     if not all(isinstance(s, fx.Node) and s.op == "get_attr" for s in sources):
-        return False
+        return None
     tensors = [attr(gm, s.target) for s in sources]
     if len({id(t) for t in tensors}) != len(tensors) or not all(
-            t._base is None and t.is_contiguous() and t.dtype == value.dtype
-            and t.device == value.device for t in tensors):
-        return False
+            t.is_contiguous() and t.dtype == value.dtype and t.device == value.device
+            for t in tensors):
+        return None
+    if any(t.untyped_storage().nbytes() != _nbytes(t) for t in tensors):  # views of a buffer
+        return _adjacent_rows(tensors, value)
     offset = 0
     with torch.no_grad():
         for t in tensors:
             rows = t.shape[0]
             t.data = value[offset:offset + rows]
             offset += rows
-    return True
+    return value
+
+
+def _adjacent_rows(tensors: list[torch.Tensor], value: torch.Tensor) -> torch.Tensor | None:
+    """The rows ``value`` holds, as a view of the one buffer ``tensors`` view row after row
+    (None where they do not)."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    return first.detach().as_strided(value.shape, value.stride(), first.storage_offset())
 
 
 def _mib(n: int) -> str:

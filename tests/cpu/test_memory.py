@@ -82,3 +82,23 @@ def test_the_backend_reports_what_its_graph_holds():
     text = str(reports[0])
     assert "4.0 MiB packed constants" in text
     assert "8.0 MiB of the model's weights that only the original model reads" in text
+
+
+def test_optimizing_a_model_again_shares_the_merged_weights_the_first_packed():
+    """The first optimization made q, k and v views of one merged buffer; a second one (a new
+    module for the same model) holds those rows, not another copy of them."""
+    torch.manual_seed(0)
+    model = _Block().eval()
+    x = torch.randn(8, 1024)
+    first = kopt.optimize(model, (x,), cuda_graphs=False)
+    merged = first.memory()
+    assert merged.weights > 3 * 1024 * 1024 * 4
+    assert model.q.weight.untyped_storage().nbytes() == 3 * model.q.weight.nbytes  # q; k; v
+    second = kopt.optimize(model, (x,), cuda_graphs=False)
+    assert second.memory().packed == merged.packed
+    assert second.memory().weights == merged.weights
+    assert first.memory() == merged  # the model's rows are still the first module's buffer
+    assert torch.equal(second(x), first(x)) and torch.equal(second(x), model(x))
+    with torch.no_grad():
+        model.k.weight.mul_(2)  # changed in place: both modules see it
+    assert torch.equal(second(x), model(x)) and torch.equal(first(x), model(x))
