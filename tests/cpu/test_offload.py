@@ -30,6 +30,8 @@ def test_replaced_weights_leave_and_come_back_bit_for_bit() -> None:
     expected = w.run()
     kept = kopt.optimize(w.model, w.args, w.kwargs, FP8, keep_original=True)
     assert _emptied(w.model) == [] and kept.memory().host == 0
+    # measured now: once the weights move, every module of this model sees them gone
+    kept_original_only = kept.memory().original_only
     want = w.run(kept)
     opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
     moved = _emptied(w.model)
@@ -37,7 +39,7 @@ def test_replaced_weights_leave_and_come_back_bit_for_bit() -> None:
     # the FP8 linears' weights left; what a graph reads (norms, the embedders below
     # min_features) stayed
     assert moved and all("weight" in n or "bias" in n for n in moved)
-    assert held.host > 0 and held.original_only < kept.memory().original_only
+    assert held.host > 0 and held.original_only + held.host <= kept_original_only
     assert "moved to host memory" in str(opt.report)
     assert torch.equal(w.run(opt), want)
     with opt.original_weights() as model:
