@@ -34,7 +34,7 @@ from kopt.errors import KoptError
 from kopt.graph import attr, module_path, structural_key
 from kopt.graph.regions import CachedRegion, cached_regions
 from kopt.memory import MemoryHeld, memory_held, tensors_read
-from kopt.offload import HostCopies, bring_back
+from kopt.offload import HostCopies, bring_back, releasing
 from kopt.passes import PassConfig, PassManager, PassResult
 from kopt.passes.fold import LoadProgram
 from kopt.passes.pipeline import format_pass_line
@@ -204,17 +204,22 @@ class _Specialization:
 
     def refresh_if_stale(self) -> None:
         """Re-run the load programs whose parameters were changed in place since packing."""
-        stale: dict[int, tuple[LoadProgram, list[str]]] = {}
-        for (t, p), v, name in zip(self.sources, self.versions, self.source_names, strict=True):
-            if t._version != v:
-                stale.setdefault(id(p), (p, []))[1].append(name)
-        for program, changed in stale.values():
-            log.info("kopt: %s changed in place; re-packing %d constants",
-                     ", ".join(changed), len(program.targets))
-            for name, value in zip(program.targets, program.run(), strict=True):
-                write_constant(getattr(self.gm, name), value, name)
-        if stale:
+        # a program may read the constants of one before it (folded after it), which a re-pack
+        # writes in place: that one is then stale in turn
+        for _ in range(len(self.programs)):
+            stale: dict[int, tuple[LoadProgram, list[str]]] = {}
+            for (t, p), v, name in zip(self.sources, self.versions, self.source_names,
+                                       strict=True):
+                if t._version != v:
+                    stale.setdefault(id(p), (p, []))[1].append(name)
+            if not stale:
+                return
             self.versions = [t._version for t, _ in self.sources]
+            for program, changed in stale.values():
+                log.info("kopt: %s changed in place; re-packing %d constants",
+                         ", ".join(changed), len(program.targets))
+                for name, value in zip(program.targets, program.run(), strict=True):
+                    write_constant(getattr(self.gm, name), value, name)
 
 
 def write_constant(dst: torch.Tensor, value: torch.Tensor, name: str) -> None:
@@ -299,10 +304,12 @@ class OptimizedModule:
 
     def __init__(self, model: torch.nn.Module, first: _Specialization, config: PassConfig,
                  verify: VerifyOptions, dump_dir: Path | None, cuda_graphs: CudaGraphs = "auto",
-                 execution_plan: bool = True, keep_original: bool = False) -> None:
+                 execution_plan: bool = True, keep_original: bool = False,
+                 host: HostCopies | None = None) -> None:
         self.original = model
         self.keep_original = keep_original
-        self._host = HostCopies()
+        # the weights moved to host memory (``host``: those the optimization released already)
+        self._host = host if host is not None else HostCopies()
         self._hooks: list[Any] = []  # forward pre-hooks on the original model
         self.config = config
         self._verify = verify
@@ -630,7 +637,7 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
                               workload=warm.workload if warm is not None else None)
     uuid = manager.uuid()
     if warm is not None:
-        warm.record(captured, gm, results, verify, uuid)
+        warm.record(captured, gm, results, verify, uuid, outputs=manager.end_to_end)
     report = Report(name, captured.source, capture_seconds, nodes, results, uuid,
                     manager.ranking, repeated=repeated)
     return _Specialization(captured, gm, report)
@@ -680,10 +687,18 @@ def optimize(
                       "there from the start)", stacklevel=2)
     dump = Path(dump_dir) if dump_dir else None
     flat, _ = flatten_inputs(tuple(args), kwargs)
-    first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost,
-                        cuda_graphs=_will_replay(cuda_graphs, flat))
+    # the BF16 weights FP8 packs leave for host memory as the optimization packs them
+    host = None if keep_original else HostCopies()
+    try:
+        with releasing(host, [*model.parameters(), *model.buffers()]):
+            first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost,
+                                cuda_graphs=_will_replay(cuda_graphs, flat))
+    except BaseException:
+        if host is not None:
+            host.restore()  # the model as it was
+        raise
     opt = OptimizedModule(model, first, config, verify, dump, cuda_graphs, execution_plan,
-                          keep_original)
+                          keep_original, host)
     opt._cost = cost
     return opt
 

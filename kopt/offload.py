@@ -8,6 +8,12 @@ stay as they are while the device memory is freed. Everything that would read th
 (the original model's forward, capturing a new input signature, re-packing after an in-place
 change) runs inside :meth:`HostCopies.on_device`, which copies them back for its duration,
 bit for bit.
+
+While an optimization runs inside :func:`releasing`, ``fold_constants`` hands each weight to
+:func:`release` as soon as the last packed constant computed from it is stored: the BF16 copy
+leaves while FP8 packs the next one, so the peak stays near the model's size instead of the
+model plus its packed copy. What is released and later found still needed (a pass reverted, a
+folded value left per call) comes back through :func:`give_back`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,59 @@ MIN_BYTES = 1 << 20
 
 # storage identity -> the HostCopies holding its bytes, for whatever meets a moved weight
 _HOLDERS: weakref.WeakValueDictionary[int, HostCopies] = weakref.WeakValueDictionary()
+# (holder, storages it may take) of the innermost releasing() block; None: release nothing
+_RELEASING: list[tuple[HostCopies, frozenset[int]] | None] = []
+
+
+@contextmanager
+def releasing(holder: HostCopies | None, owned: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+    """Within the block, :func:`release` moves to ``holder`` the storages of ``owned`` (the
+    model's weights) it is given; with ``holder=None`` it moves nothing (a nested block where
+    the weights must stay, e.g. a check that runs the graph before a pass again)."""
+    keys = frozenset(t.untyped_storage()._cdata for t in owned)
+    _RELEASING.append((holder, keys) if holder is not None else None)
+    try:
+        yield
+    finally:
+        _RELEASING.pop()
+
+
+def release(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the storages of ``tensors`` that the enclosing :func:`releasing` block owns to its
+    holder; returns the bytes moved (0 outside such a block)."""
+    current = _RELEASING[-1] if _RELEASING else None
+    if current is None:
+        return 0
+    holder, owned = current
+    if holder._depth:  # a new signature optimized beside the moved weights: the module decides
+        return 0
+    return holder.move([t for t in tensors if t.untyped_storage()._cdata in owned], quiet=True)
+
+
+def released() -> set[int]:
+    """The storages (by identity) moved so far by the enclosing :func:`releasing` block's
+    holder: what :func:`give_back` can return to."""
+    current = _RELEASING[-1] if _RELEASING else None
+    return set(current[0]._moved) if current is not None else set()
+
+
+@contextmanager
+def on_device() -> Iterator[None]:
+    """What the enclosing :func:`releasing` block's holder moved, back on the device for the
+    block's duration (to run the graph as captured)."""
+    current = _RELEASING[-1] if _RELEASING else None
+    if current is None:
+        yield
+        return
+    with current[0].on_device():
+        yield
+
+
+def give_back(keys: Iterable[int]) -> int:
+    """Put the storages ``keys`` (from :func:`released`) back on their device; the holder
+    forgets them (it may take them again later). Returns how many came back."""
+    current = _RELEASING[-1] if _RELEASING else None
+    return current[0].give_back(keys) if current is not None else 0
 
 
 def bring_back(tensors: Iterable[torch.Tensor]) -> int:
@@ -49,15 +108,39 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return out.set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-def _host_buffer(storage: torch.UntypedStorage) -> torch.Tensor:
-    """Host memory for ``storage``'s bytes: pinned for a GPU's (copies at the bus's rate),
-    pageable where pinning fails (the host's limit on locked memory)."""
-    if storage.device.type == "cuda":
-        try:
-            return torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as exc:
-            log.info("kopt: pinned host memory refused (%s); using pageable memory", exc)
-    return torch.empty(storage.nbytes(), dtype=torch.uint8)
+# D2H copies go through two pinned buffers of this size into pageable host memory: pinning
+# the whole destination costs more than the copy (per storage, 1.49 GiB/s of W1's weights
+# pinned, against 12 GiB/s staged, and 2.4 GiB/s copying into fresh pageable memory directly;
+# H100, RESULTS.md 2026-12-06)
+STAGE_BYTES = 64 << 20
+_STAGES: list[torch.Tensor] = []  # the two pinned buffers, made at the first copy
+
+
+def _to_host(src: torch.Tensor) -> torch.Tensor:
+    """A pageable host copy of the uint8 tensor ``src``: a CUDA tensor's through the pinned
+    buffers, a chunk's copy to the device overlapping the host copy of the one before."""
+    host = torch.empty(src.numel(), dtype=torch.uint8)
+    if src.device.type != "cuda":
+        host.copy_(src)
+        return host
+    if not _STAGES:
+        _STAGES.extend(torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+                       for _ in range(2))
+    events = [torch.cuda.Event(), torch.cuda.Event()]
+    last = None  # (offset, length, buffer index) of the chunk on its way
+    for j, start in enumerate(range(0, src.numel(), STAGE_BYTES)):
+        n = min(STAGE_BYTES, src.numel() - start)
+        _STAGES[j % 2][:n].copy_(src[start:start + n], non_blocking=True)
+        events[j % 2].record()
+        if last is not None:
+            o, k, b = last
+            events[b].synchronize()
+            host[o:o + k].copy_(_STAGES[b][:k])
+        last = (start, n, j % 2)
+    o, k, b = last
+    events[b].synchronize()
+    host[o:o + k].copy_(_STAGES[b][:k])
+    return host
 
 
 class HostCopies:
@@ -78,9 +161,10 @@ class HostCopies:
     def __len__(self) -> int:
         return 0 if self._depth else len(self._moved)
 
-    def move(self, tensors: Iterable[torch.Tensor]) -> int:
+    def move(self, tensors: Iterable[torch.Tensor], quiet: bool = False) -> int:
         """Move the storages of ``tensors`` on :data:`OFFLOAD_DEVICES` to host memory; returns
-        the bytes moved. Inside :meth:`on_device` they are moved when the block ends."""
+        the bytes moved. Inside :meth:`on_device` they are moved when the block ends.
+        ``quiet``: no log line (one weight at a time, as ``fold_constants`` releases them)."""
         moved = 0
         for t in tensors:
             storage = t.untyped_storage()
@@ -90,16 +174,17 @@ class HostCopies:
                 continue
             if key in self._moved and not self._depth:
                 continue
-            if key not in self._moved:
-                self._moved[key] = (storage, _host_buffer(storage))
-                _HOLDERS[key] = self
             if self._depth:
+                if key not in self._moved:  # moved when the on_device() block ends
+                    self._moved[key] = (storage, torch.empty(0, dtype=torch.uint8))
+                    _HOLDERS[key] = self
                 continue
-            storage_, host = self._moved[key]
-            host.copy_(_as_bytes(storage_))
-            storage_.resize_(0)
+            host = _to_host(_as_bytes(storage))
+            self._moved[key] = (storage, host)
+            _HOLDERS[key] = self
+            storage.resize_(0)
             moved += host.numel()
-        if moved:
+        if moved and not quiet:
             log.info("kopt: %.2f GiB of weights the optimized graphs no longer read moved to "
                      "host memory", moved / 2**30)
         return moved
@@ -115,8 +200,8 @@ class HostCopies:
         finally:
             self._depth -= 1
             if self._depth == 0:
-                for storage, host in self._moved.values():
-                    host.copy_(_as_bytes(storage))
+                for key, (storage, _) in list(self._moved.items()):
+                    self._moved[key] = (storage, _to_host(_as_bytes(storage)))
                     storage.resize_(0)
 
     @property
@@ -132,6 +217,22 @@ class HostCopies:
             _HOLDERS.pop(key, None)
         self._moved.clear()
         self.done = True
+
+    def give_back(self, keys: Iterable[int]) -> int:
+        """The storages ``keys`` back on their device, and forgotten (not for good: they may be
+        moved again); returns how many came back."""
+        back = 0
+        for key in list(keys):
+            entry = self._moved.pop(key, None)
+            if entry is None:
+                continue
+            _HOLDERS.pop(key, None)
+            storage, host = entry
+            if storage.nbytes() == 0:
+                storage.resize_(host.numel())
+                _as_bytes(storage).copy_(host)
+            back += 1
+        return back
 
     def _bring_back(self) -> None:
         for storage, host in self._moved.values():

@@ -330,6 +330,8 @@ class Baseline:
         # (graph, its outputs per seed): the last graph checked that passed on every seed
         self._checked: tuple[fx.GraphModule, dict[int, list[Any]]] | None = None
         self.keep = True  # False once the values were too large to keep
+        self.first: dict[int, list[Any]] = {}  # the first graph's outputs (the captured one's)
+        self._first_gm = gm
 
     def outputs(self, seed: int, inputs: Sequence[Any]) -> list[Any]:
         """The accepted graph's outputs on ``seed``'s inputs."""
@@ -338,8 +340,17 @@ class Baseline:
         out = run_flat(self.gm, inputs)
         if self.keep:
             self.want[seed] = _owned(self.gm, out)
+            if self.gm is self._first_gm:
+                self.first[seed] = self.want[seed]
             self._fit()
         return out
+
+    def end_to_end(self, seed: int) -> tuple[list[Any], list[Any]] | None:
+        """(the accepted graph's outputs, the first graph's) on ``seed``'s inputs, where both
+        were kept: how far the passes moved the outputs, with no graph run again."""
+        if seed in self.want and seed in self.first:
+            return self.want[seed], self.first[seed]
+        return None
 
     def fp64(self, seed: int, inputs: Sequence[Any]) -> list[Any]:
         """The fp64 run of the accepted graph (or of one computing the same function)."""
@@ -369,10 +380,12 @@ class Baseline:
         self.gm, self._checked = gm, None
 
     def _fit(self) -> None:
-        held = sum(_nbytes(v) for d in (self.want, self.ref) for out in d.values() for v in out)
+        values = {id(v): v for d in (self.want, self.ref, self.first) for out in d.values()
+                  for v in out}  # the first outputs are the wanted ones until a pass changes them
+        held = sum(_nbytes(v) for v in values.values())
         if held > BASELINE_BYTES:
             self.keep = False
-            self.want, self.ref = {}, {}
+            self.want, self.ref, self.first = {}, {}, {}
 
 
 def _owned(gm: fx.GraphModule, outputs: list[Any]) -> list[Any]:

@@ -42,6 +42,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from kopt import offload
 from kopt.collect import collector_skips_what_lives_already
 from kopt.graph import attr, fake_mode_of
 from kopt.graph.regions import CachedRegion, cached_regions
@@ -182,10 +183,12 @@ def pack(captured: Captured, gm: fx.GraphModule, passes: Sequence[PassResult],
                 raise NotSerializable(f"attribute {node.target} is neither a weight of the "
                                       "model, a load program's output nor a small constant")
     stored_programs = []
+    made: set[str] = set()  # targets of the programs before (one may read another's)
     for p in programs:
         for s in p.sources:
-            if _attr_or_none(cap, s) is not attr(p.graph_module, s):
+            if s not in made and _attr_or_none(cap, s) is not attr(p.graph_module, s):
                 raise NotSerializable(f"load program source {s} is not a weight of the model")
+        made.update(p.targets)
         stored_programs.append((encode_graph(p.graph_module.graph), tuple(p.targets),
                                 tuple(p.sources), tuple(p.packed_in_place)))
     meta = {k: v for k, v in gm.meta.items()
@@ -255,8 +258,9 @@ def restore(captured: Captured, stored: Stored) -> fx.GraphModule:
     programs = []
     for nodes, targets, sources, in_place in stored.programs:
         graph = decode_graph(nodes, None)  # run, never inspected: no fake values
-        program = LoadProgram(_LAZY({s: attr(cap, s) for s in sources}, graph), targets,
-                              sources, in_place)
+        # sources: the model's weights, or the constants of a program before (folded after it)
+        program = LoadProgram(_LAZY({s: root[s] if s in root else attr(cap, s)
+                                     for s in sources}, graph), targets, sources, in_place)
         values = program.run()
         out = next(n for n in graph.nodes if n.op == "output").args[0]
         for i in in_place:  # as fold_constants did: the merged weights held once
@@ -307,13 +311,20 @@ def end_to_end_error(captured: Captured, gm: fx.GraphModule) -> float:
     """The largest relative error (Frobenius) of ``gm``'s floating outputs against the
     captured graph's on seed 0's random inputs; inf where one of them is not finite where
     the captured graph's is."""
-    from kopt.verify import random_inputs, relative_error, run_flat
+    from kopt.verify import random_inputs, run_flat
 
     inputs = random_inputs(captured.example_inputs, 0)
     want = pytree.tree_leaves(run_flat(captured.gm, inputs))
     got = pytree.tree_leaves(run_flat(gm, inputs))
     for region in cached_regions(gm):
         region.clear()  # random inputs are no entry to serve later calls from
+    return outputs_error(got, want)
+
+
+def outputs_error(got: Sequence[Any], want: Sequence[Any]) -> float:
+    """:func:`end_to_end_error` of outputs already computed."""
+    from kopt.verify import relative_error
+
     worst = 0.0
     for a, b in zip(got, want, strict=True):
         if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
@@ -430,17 +441,26 @@ class WarmStart:
         return gm, passes, stored.pipeline_uuid, line
 
     def record(self, captured: Captured, gm: fx.GraphModule, passes: Sequence[PassResult],
-               verify: VerifyOptions, pipeline_uuid: str) -> None:
+               verify: VerifyOptions, pipeline_uuid: str,
+               outputs: tuple[Sequence[Any], Sequence[Any]] | None = None) -> None:
         """Store a cold optimization: a hit gives what this run kept (a pass that failed
         verification is left out there too). A run where a check could not run at all (a pass
         raised, a reference ran out of memory) is not stored, since the next run may get
-        further; nor is a graph the stored form cannot express (logged)."""
+        further; nor is a graph the stored form cannot express (logged). ``outputs``: (``gm``'s
+        outputs, the captured graph's) on seed 0's inputs, as verification kept them; else
+        both graphs run again (the captured one with the weights FP8 released, brought back
+        for it)."""
         if any(r.verdict is not None and r.verdict.unverifiable for r in passes):
             return
         verified = f"on seeds {', '.join(map(str, verify.seeds))}" if verify.enabled else "off"
         try:
-            error = end_to_end_error(captured, gm) if why_unchecked(captured, verify) is None \
-                else None
+            if why_unchecked(captured, verify) is not None:
+                error = None
+            elif outputs is not None:
+                error = outputs_error(*outputs)
+            else:
+                with offload.on_device():
+                    error = end_to_end_error(captured, gm)
             payload = pack(captured, gm, passes, error, verified, pipeline_uuid)
         except Exception as e:  # noqa: BLE001 -- storing is a bonus: never fail the user's run
             log.info("kopt: the optimized graph is not stored for a warm start: %s: %s",

@@ -30,6 +30,7 @@ from kopt.capture import capture_module
 from kopt.kb import KnowledgeBase, using
 from kopt.memory import memory_held
 from kopt.models import build
+from kopt.offload import HostCopies, releasing
 from kopt.passes import FP8Config, PassConfig
 from kopt.verify import VerifyOptions
 
@@ -82,7 +83,10 @@ def main() -> None:
     if prof is not None:
         prof.enable()
     verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))))
-    with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext():
+    # as kopt.optimize: the BF16 weights FP8 packs leave for host memory as they are packed
+    host = HostCopies()
+    with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext(), \
+            releasing(host, [*w.model.parameters(), *w.model.buffers()]):
         spec = optimize_captured(cap, config, verify, None, w.name, 0.0)
     if prof is not None:
         prof.disable()
@@ -103,7 +107,8 @@ def main() -> None:
         print(f"{w.name}: peak GPU memory allocated {torch.cuda.max_memory_allocated() / 2**30:.2f}"
               f" GiB, the model's weights {weights / 2**30:.2f} GiB")
         s0 = time.perf_counter()
-        opt = OptimizedModule(w.model, spec, config, verify, None)  # what kopt.optimize returns
+        opt = OptimizedModule(w.model, spec, config, verify, None,  # what kopt.optimize returns
+                              host=host)
         torch.cuda.synchronize()
         print(f"{w.name}: the optimized module made in {time.perf_counter() - s0:.1f} s; GPU "
               f"memory allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB "

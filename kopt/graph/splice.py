@@ -38,7 +38,17 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph._codegen = gm.graph._codegen
     new = _LAZY(gm, graph, class_name=type(gm).__name__)
     new.meta.update(gm.meta)
+    for name in _program_attributes(gm):  # read by a load program only: kept too
+        if not hasattr(new, name) and hasattr(gm, name):
+            new.register_buffer(name, getattr(gm, name), persistent=False)
     return new
+
+
+def _program_attributes(gm: fx.GraphModule) -> set[str]:
+    """kopt-made attributes the load programs (``kopt.passes.fold``) write or read: one
+    folded after another reads its constants, and re-packing writes them again."""
+    return {s for p in gm.meta.get("kopt_load_programs", ()) for s in (*p.sources, *p.targets)
+            if s.startswith(KOPT_PREFIX)}
 
 
 def eliminate_dead(gm: fx.GraphModule) -> None:
@@ -49,9 +59,13 @@ def eliminate_dead(gm: fx.GraphModule) -> None:
 
 def prune_unused_attributes(gm: fx.GraphModule) -> None:
     """Drop kopt-made attributes that no ``get_attr`` node reads any more (nodes of submodule
-    graphs such as hoisted regions count: they share the attribute's tensor and name)."""
+    graphs such as hoisted regions count: they share the attribute's tensor and name), nor a
+    load program (``kopt.passes.fold``: one folded after another reads its constants, and
+    re-packing runs it again)."""
     used = {n.target for m in gm.modules() if isinstance(m, fx.GraphModule)
             for n in m.graph.nodes if n.op == "get_attr"}
+    used.update(s for p in gm.meta.get("kopt_load_programs", ()) for s in p.sources)
+    # (a program's target no program reads and no node reads is dropped: re-packing skips it)
     for name in [name for name, _ in gm.named_buffers(recurse=False)]:
         if name.startswith(KOPT_PREFIX) and name not in used:
             delattr(gm, name)

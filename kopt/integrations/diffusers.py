@@ -290,7 +290,8 @@ def exact_tier(config: PassConfig = PassConfig()) -> PassConfig:
     off = {}
     for name, factory in PIPELINE:
         value = getattr(config, name)
-        if value and factory(config).numerics.tier != "exact":
+        made = factory(config) if value else None
+        if made is not None and made.numerics.tier != "exact":
             off[name] = False if isinstance(value, bool) else None
     return config.replace(**off)
 

@@ -91,6 +91,14 @@ class PassConfig:
     fp8: FP8Config | None = None
     """Linears -> FP8 GEMMs (lossy: off unless asked for, e.g. ``fp8=FP8Config()``)."""
 
+    fold_weights: bool = True
+    """With ``fp8``: the weights' quantization and scale packing evaluated at load right after
+    the fp8 pass (``fold_constants``'s work on them), one weight at a time, each BF16 weight
+    moved to host memory as soon as its packed copy is stored (``kopt.offload``). The passes
+    after it check a graph that reads the packed weights, and the optimization's peak stays
+    near the BF16 model's size instead of the model plus its packed copy. Exact: the same ops
+    on the same weights (the graph is the one ``fold_constants`` alone would leave)."""
+
     absorb_bias: bool = True
     """A bias add after a GEMM (the FP8 linears') moves into the GEMM's epilogue."""
 

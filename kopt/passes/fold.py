@@ -6,6 +6,12 @@ frontier of that constant region -- constant nodes with a per-call user -- and r
 stored tensor. The computation is kept as a *load program* (a small GraphModule reading the
 original parameters) so that :class:`kopt.api.OptimizedModule` can re-run it when a parameter is
 changed in place or replaced, instead of serving stale packed weights.
+
+The values are computed one node at a time, each intermediate dropped after its last use, and
+each weight handed to :func:`kopt.offload.release` once the last value computed from it is
+stored. A row-wise op on a row-concatenation of weights (FP8 quantizing W1's 121 modulation
+weights merged into one 13.6 GB matrix) runs on one weight at a time into its output's rows,
+so the concatenation itself is never made.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
+from kopt import offload
 from kopt.capture import SOURCE_KEY
 from kopt.graph import add_constant, attr, constant_nodes
-from kopt.graph.splice import eliminate_dead
+from kopt.graph.splice import prune_unused_attributes
 from kopt.passes.base import Pass, PassResult, count_nodes
 from kopt.patterns.collectives import KEEP_PER_CALL, is_collective
 from kopt.patterns.core import exact
@@ -38,9 +46,12 @@ class LoadProgram:
     # outputs (by index) whose source parameters were re-pointed into them (:func:`pack_in_place`)
     packed_in_place: tuple[int, ...] = ()
 
-    def run(self) -> list[torch.Tensor]:
+    def run(self, keep: frozenset[int] | None = None) -> list[torch.Tensor]:
+        """The folded values. ``keep``: storages the optimized graph reads itself; every other
+        weight is handed to :func:`kopt.offload.release` once read for the last time (None:
+        none is)."""
         with torch.no_grad():
-            return list(self.graph_module())
+            return _Streaming(self.graph_module, keep).values()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -48,9 +59,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class FoldConstants(Pass):
-    name = "fold_constants"
     numerics = exact("the same ops on the same parameters, evaluated once at load instead of "
                      "at every call")
+
+    def __init__(self, name: str = "fold_constants") -> None:
+        self.name = name  # "fold_weights": the same pass, right after the fp8 pass
+
+    def config_key(self) -> str:
+        return self.name
 
     def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
         t0 = time.perf_counter()
@@ -67,13 +83,23 @@ class FoldConstants(Pass):
             return PassResult(self.name, 0, {KEEP_PER_CALL: len(kept)} if kept else {}, before,
                               before, time.perf_counter() - t0)
 
-        load_gm = _extract(gm, frontier, consts)
-        values = LoadProgram(load_gm, (), ()).run()
+        load_gm, needed = _extract(gm, frontier, consts)
         source_bytes = {
             n.target: _nbytes(attr(gm, n.target)) for n in load_gm.graph.nodes
             if n.op == "get_attr"
         }
-        storages = {attr(gm, t).untyped_storage().data_ptr() for t in source_bytes}
+        storages = {attr(gm, t).untyped_storage()._cdata for t in source_bytes}
+        # storages read per call whatever is folded, or by a concatenation about to become
+        # the buffer its parameters view (pack_in_place): never released
+        export = gm.meta.get(SOURCE_KEY) == "export"
+        keep = {attr(gm, n.target) for n in gm.graph.nodes
+                if n.op == "get_attr" and any(u not in needed for u in n.users)}
+        keep.update(attr(gm, a.target) for n in frontier if export and _packs_in_place(n)
+                    for a in n.args[0])
+        released = offload.released()
+        with torch.no_grad():
+            values = _Streaming(load_gm, frozenset(t.untyped_storage()._cdata
+                                                   for t in keep)).values()
         rejected: dict[str, int] = {KEEP_PER_CALL: len(kept)} if kept else {}
         targets, kept_values, folded, in_place = [], [], [], []
         added = aliased = 0
@@ -83,9 +109,8 @@ class FoldConstants(Pass):
                 reason = "folded value would be larger than its inputs and > 64 MiB"
                 rejected[reason] = rejected.get(reason, 0) + 1
                 continue
-            views = value.untyped_storage().data_ptr() in storages  # of a parameter already
-            packed = pack_in_place(gm, node, value) if (
-                not views and gm.meta.get(SOURCE_KEY) == "export") else None
+            views = value.untyped_storage()._cdata in storages  # of a parameter already
+            packed = pack_in_place(gm, node, value) if not views and export else None
             value = value if packed is None else packed
             const = add_constant(gm, value, hint=node.name)
             node.replace_all_uses_with(const)
@@ -99,15 +124,22 @@ class FoldConstants(Pass):
                 in_place.append(len(targets) - 1)
             else:
                 added += _nbytes(value)
-        eliminate_dead(gm)
+        gm.graph.eliminate_dead_code()
 
         still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+        # released on the expectation that every value computed from it would be folded: a
+        # value left per call, or one stored as a view of it, reads it still
+        reading = {attr(gm, t).untyped_storage()._cdata for t in still_read}
+        reading.update(v.untyped_storage()._cdata for v in kept_values)
+        offload.give_back((offload.released() - released) & reading)
         unread = sum(b for t, b in source_bytes.items() if t not in still_read)
         keep = [i for i, n in enumerate(frontier) if n.name in folded]
         program = LoadProgram(_select_outputs(load_gm, keep), tuple(targets), tuple(source_bytes),
                               tuple(in_place))
         programs: list[LoadProgram] = gm.meta.setdefault("kopt_load_programs", [])
         programs.append(program)
+        prune_unused_attributes(gm)  # after the program joins: it may read earlier constants
+        gm.recompile()
         notes = (
             f"memory: +{_mib(added)} of packed constants, {_mib(aliased)} packed in place (the "
             f"model's parameters now view the packed buffers); {_mib(unread)} of parameters no "
@@ -123,6 +155,139 @@ class FoldConstants(Pass):
             sites=tuple(folded),
             notes=notes,
         )
+
+
+# Ops computing each row of their outputs from the same row of their one input alone:
+# ``op(cat(xs))`` is ``cat(op(x) for x in xs)`` bit for bit (an FP8 row's scale is its own
+# amax, a max whatever the order).
+ROW_LOCAL: set = set()
+
+
+def _row_local() -> set:
+    if not ROW_LOCAL:
+        import kopt.codegen.kernels.quant_fp8  # noqa: F401 -- registers the op
+
+        ROW_LOCAL.add(torch.ops.kopt.quant_fp8_rowwise.default)
+    return ROW_LOCAL
+
+
+class _Streaming(fx.Interpreter):
+    """Runs a load program node by node, each value dropped after its last use (the
+    Interpreter's own bookkeeping), and hands each weight's storage to
+    :func:`kopt.offload.release` once every value computed from it is computed and none of
+    them views it. ``per_call``: storages the graph still reads per call, never released
+    (None: nothing is released). A
+    row-local op on a row-concatenation of attributes runs one attribute at a time into its
+    outputs' rows; an attribute read only there goes as soon as its rows are written (all
+    that is computed from it goes through that op's fresh outputs)."""
+
+    def __init__(self, gm: fx.GraphModule, per_call: frozenset[int] | None = None) -> None:
+        _defer_rows(gm.graph)
+        super().__init__(gm)
+        nodes = list(gm.graph.nodes)
+        self.outputs = set(nodes[-1].all_input_nodes)
+        # attribute -> the outputs computed from it not computed yet
+        self.pending: dict[fx.Node, set[fx.Node]] = {}
+        reach: dict[fx.Node, set[fx.Node]] = {}
+        for n in nodes:
+            if n.op == "get_attr":
+                reach[n] = {n}
+                self.pending[n] = set()
+            else:
+                reach[n] = set().union(*(reach[a] for a in n.all_input_nodes))
+            if n in self.outputs:
+                for a in reach[n]:
+                    self.pending[a].add(n)
+        self.key = {a: self.fetch_attr(a.target).untyped_storage()._cdata for a in self.pending}
+        self.sharing: dict[int, list[fx.Node]] = {}
+        for a, key in self.key.items():
+            self.sharing.setdefault(key, []).append(a)
+        self.done: set[fx.Node] = set()
+        self.kept: set[int] = set()  # storages of the outputs computed (views stay)
+        self.per_call = per_call
+        # cat nodes whose rows a row-local op takes attribute by attribute (never made whole)
+        self.rows: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            if _row_concatenated(n):
+                self.rows[n.args[0]] = n
+
+    def values(self) -> list[torch.Tensor]:
+        return list(self.run())
+
+    def run_node(self, n: fx.Node) -> object:
+        if n in self.rows:
+            return None  # made row by row by its one user
+        cat = n.args[0] if n.args and self.rows.get(n.args[0]) is n else None
+        value = self._by_rows(n, cat) if cat is not None else super().run_node(n)
+        if n in self.outputs:
+            self.kept.update(t.untyped_storage()._cdata for t in pytree.tree_leaves(value)
+                             if isinstance(t, torch.Tensor))
+            finished = [a for a, outs in self.pending.items() if n in outs]
+            for a in finished:
+                self.pending[a].discard(n)
+            self._finish([a for a in finished if not self.pending[a]])
+        return value
+
+    def _by_rows(self, n: fx.Node, cat: fx.Node) -> object:
+        """``n``'s row-local op on ``cat``'s attributes one at a time, into its outputs' rows."""
+        sources = [self.fetch_attr(a.target) for a in cat.args[0]]
+        total = sum(t.shape[0] for t in sources)
+        outs: list[torch.Tensor] = []
+        row = 0
+        for node, t in zip(cat.args[0], sources, strict=True):
+            part = n.target(t)
+            parts = tuple(part) if isinstance(part, tuple | list) else (part,)
+            if not outs:
+                outs = [torch.empty((total, *p.shape[1:]), dtype=p.dtype, device=p.device)
+                        for p in parts]
+            for o, p in zip(outs, parts, strict=True):
+                o[row:row + p.shape[0]].copy_(p)
+            row += t.shape[0]
+            del part, parts
+            if len(node.users) == 1:  # all computed from it goes through n's fresh outputs
+                self._finish([node])
+        del sources
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def _finish(self, attrs: list[fx.Node]) -> None:
+        """``attrs`` are read no more: release each storage none of whose attributes is."""
+        self.done.update(attrs)
+        if self.per_call is None:
+            return
+        for key in {self.key[a] for a in attrs}:
+            if (key not in self.sharing or key in self.per_call or key in self.kept
+                    or not all(a in self.done for a in self.sharing.get(key, ()))):
+                continue
+            first = self.sharing.pop(key)[0]
+            offload.release([self.fetch_attr(first.target)])
+
+
+def _row_concatenated(node: fx.Node) -> bool:
+    """Whether ``node`` runs a row-local op on a row-concatenation of attributes."""
+    cat = node.args[0] if node.op == "call_function" and node.args else None
+    return (node.target in _row_local() and len(node.args) == 1 and not node.kwargs
+            and isinstance(cat, fx.Node) and cat.target is torch.ops.aten.cat.default
+            and len(cat.users) == 1 and _dim(cat) == 0
+            and all(isinstance(a, fx.Node) and a.op == "get_attr" for a in cat.args[0]))
+
+
+def _defer_rows(graph: fx.Graph) -> None:
+    """Move the row-local ops on row-concatenations, and all computed from them, to the end
+    (in place, their order kept): each allocates its whole output before its sources go, so
+    the largest (W1's 121 modulation weights: 6.3 GiB of FP8) come once the rest has packed
+    and released its weights, not while all the BF16 weights are still there."""
+    later: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op != "output" and (_row_concatenated(n) or any(a in later
+                                                             for a in n.all_input_nodes)):
+            later.add(n)
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for n in [n for n in graph.nodes if n in later]:
+        out.prepend(n)
+
+
+def _dim(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
 
 
 def _drop_collectives(graph: fx.Graph, consts: set[fx.Node]) -> list[fx.Node]:
@@ -151,12 +316,9 @@ def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor
     or an earlier optimization of the model), give that buffer's rows: the concatenation is
     held once however often the model is optimized.
     """
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if node.target is not torch.ops.aten.cat.default or dim != 0 or not value.is_contiguous():
+    if not _packs_in_place(node) or not value.is_contiguous():
         return None
     sources = node.args[0]
-    if not all(isinstance(s, fx.Node) and s.op == "get_attr" for s in sources):
-        return None
     tensors = [attr(gm, s.target) for s in sources]
     if len({id(t) for t in tensors}) != len(tensors) or not all(
             t.is_contiguous() and t.dtype == value.dtype and t.device == value.device
@@ -171,6 +333,13 @@ def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor
             t.data = value[offset:offset + rows]
             offset += rows
     return value
+
+
+def _packs_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` is a row-concatenation of attributes (what :func:`pack_in_place`
+    may make its sources view)."""
+    return (node.target is torch.ops.aten.cat.default and _dim(node) == 0
+            and all(isinstance(s, fx.Node) and s.op == "get_attr" for s in node.args[0]))
 
 
 def _adjacent_rows(tensors: list[torch.Tensor], value: torch.Tensor) -> torch.Tensor | None:
@@ -203,8 +372,10 @@ def _attr_inputs(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _extract(gm: fx.GraphModule, frontier: list[fx.Node], consts: set[fx.Node]) -> fx.GraphModule:
-    """A GraphModule (sharing ``gm``'s attributes) computing the frontier nodes from constants."""
+def _extract(gm: fx.GraphModule, frontier: list[fx.Node], consts: set[fx.Node]
+             ) -> tuple[fx.GraphModule, set[fx.Node]]:
+    """A GraphModule (sharing ``gm``'s attributes) computing the frontier nodes from constants,
+    and the nodes of ``gm`` it copies."""
     needed: set[fx.Node] = set()
     stack = list(frontier)
     while stack:
@@ -219,7 +390,7 @@ def _extract(gm: fx.GraphModule, frontier: list[fx.Node], consts: set[fx.Node]) 
         if node in needed:
             env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(tuple(env[n] for n in frontier))
-    return fx.GraphModule(gm, graph)
+    return fx.GraphModule(gm, graph), needed
 
 
 def _select_outputs(load: fx.GraphModule, keep: list[int]) -> fx.GraphModule:

@@ -9,6 +9,7 @@ is not applied, with the prediction as the reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
+from kopt import offload
 from kopt.collect import collector_skips_what_lives_already
 from kopt.graph import copy_graph_module
 from kopt.graph.regions import cached_regions
@@ -63,6 +65,8 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("cse", lambda c: EliminateCommonSubexpressions()),  # exposes shared inputs to the merge
     ("merge_projections", lambda c: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
     ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV
+    # the FP8 weights packed before the passes below check anything (memory, not speed)
+    ("fold_weights", lambda c: FoldConstants("fold_weights") if c.fp8 is not None else None),
     ("absorb_bias", lambda c: RewritePass("absorb_bias", [ABSORB_BIAS, SPLIT_BIAS_ADD])),
     ("gemm_epilogue", lambda c: RewritePass("gemm_epilogue", [GEMM_EPILOGUE])),
     # q/k are views of the merged QKV output here; the quantizers are the fp8 pass's
@@ -89,7 +93,10 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
 
 
 def build_passes(config: PassConfig) -> list[Pass]:
-    return [factory(config) for name, factory in PIPELINE if getattr(config, name)]
+    """The passes ``config`` turns on, in pipeline order (a factory gives None for a pass
+    that does nothing under the rest of the config)."""
+    passes = [factory(config) for name, factory in PIPELINE if getattr(config, name)]
+    return [p for p in passes if p is not None]
 
 
 class PassManager:
@@ -111,6 +118,9 @@ class PassManager:
         self.cost = cost
         self.predictions: list[PassPrediction] = []
         self.ranking: Ranking | None = None  # after run, with a cost model
+        # after run, where verification kept them: (the result's outputs, the captured
+        # graph's) on seed 0's inputs
+        self.end_to_end: tuple[list[Any], list[Any]] | None = None
 
     def uuid(self) -> str:
         h = hashlib.sha256(repr(self.config).encode())
@@ -146,27 +156,34 @@ class PassManager:
             gm = copy_graph_module(gm)  # the captured graph stays as captured
         # each check's reference: the outputs of the graph the passes accepted so far
         baseline = Baseline(gm, example_inputs, self.verify) if self.verify.enabled else None
+        released = offload.released()  # weights fold_constants moved before this run
         for i, p in enumerate(self.passes, start=1):
             if (skipped := kb.skip(p, gm)) is not None:
                 results.append(skipped)
                 continue
             candidate = copy_graph_module(gm) if snapshots else gm
             start = time.perf_counter()
+            before = offload.released()
             try:
-                result = p.run(candidate)
+                with self._may_release(baseline):
+                    result = p.run(candidate)
                 candidate.graph.lint()  # every node's inputs in the graph, in order
             except Exception as exc:
+                offload.give_back(offload.released() - before)  # the graph before reads them
                 if os.environ.get(STRICT) == "1":
                     raise
                 if not snapshots:
                     log.info("kopt: %s raised on the graph the passes share; running them "
                              "again, each on a copy", p.name)
+                    offload.give_back(offload.released() - released)
                     return self._run(captured, example_inputs, snapshots=True,
                                      workload=workload)
                 results.append(self._raised(p, gm, exc, time.perf_counter() - start))
                 continue
             if self.cost is not None:
                 candidate, result = self._gate(p, i, gm, candidate, result)
+                if candidate is gm:
+                    offload.give_back(offload.released() - before)
             verdict = None
             log.info("kopt: [%d/%d] %s: %d rewrites in %.2f s%s", i, len(self.passes), p.name,
                      result.matched, result.seconds,
@@ -177,8 +194,11 @@ class PassManager:
                                   baseline)
                 verdict = agree_across_ranks(gm, verdict)  # tensor-parallel graphs
                 if not verdict.passed:
-                    candidate, result, verdict = self._salvage(p, gm, example_inputs, result,
-                                                               verdict, baseline)
+                    # bisecting runs the pass again on the graph before it, which reads them
+                    offload.give_back(offload.released() - before)
+                    with offload.releasing(None):
+                        candidate, result, verdict = self._salvage(p, gm, example_inputs,
+                                                                   result, verdict, baseline)
             if baseline is not None:
                 baseline.accept(candidate, p.numerics)
             result = replace(result, verdict=verdict)
@@ -188,10 +208,20 @@ class PassManager:
             self._dump(gm, f"{i:02d}_{p.name}")
         for region in cached_regions(gm):
             region.clear()  # drop what verification's random inputs left in the caches
+        if baseline is not None:
+            self.end_to_end = baseline.end_to_end(0)  # the warm start's check: seed 0
         kb.record(results, self.passes)
         if self.cost is not None:
             self.ranking = self.cost.ranking(captured, gm, self.predictions)
         return gm, results
+
+    def _may_release(self, baseline: Baseline | None) -> contextlib.AbstractContextManager:
+        """Where a pass may hand weights to :func:`kopt.offload.release`: unless the check after
+        it would run the graph before it again (its outputs not kept, or too large to keep)."""
+        if baseline is None or (baseline.keep
+                                and all(s in baseline.want for s in self.verify.seeds)):
+            return contextlib.nullcontext()
+        return offload.releasing(None)
 
     @staticmethod
     def _raised(p: Pass, gm: fx.GraphModule, exc: Exception, seconds: float) -> PassResult:

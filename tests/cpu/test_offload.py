@@ -105,3 +105,126 @@ def test_keep_original_moves_nothing() -> None:
     opt = kopt.optimize(w.model, w.args, w.kwargs, FP8, keep_original=True)
     assert _emptied(w.model) == [] and opt.memory().host == 0
     assert "moved to host memory" not in str(opt.report)
+
+
+def test_fp8_packing_releases_each_weight_as_its_rows_are_written() -> None:
+    """A row-wise quantizer of a row-concatenation of weights runs one weight at a time into
+    its output's rows (the concatenation is never made), and each weight leaves as soon as its
+    rows are written: bitwise the values of the whole concatenation quantized at once."""
+    import operator
+
+    from torch import fx
+
+    from kopt.codegen.kernels import quant_fp8  # noqa: F401 -- registers the op
+    from kopt.passes.fold import LoadProgram
+
+    root = torch.nn.Module()
+    for i, rows in enumerate((3, 5, 2)):
+        root.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(rows, 8) * (i + 1)))
+    graph = fx.Graph()
+    ws = [graph.get_attr(f"w{i}") for i in range(3)]
+    q = graph.call_function(torch.ops.kopt.quant_fp8_rowwise.default,
+                            (graph.call_function(torch.ops.aten.cat.default, (ws, 0)),))
+    outs = [graph.call_function(torch.ops.aten.t.default,
+                                (graph.call_function(operator.getitem, (q, k)),))
+            for k in range(2)]
+    graph.output(tuple(outs))
+    program = LoadProgram(fx.GraphModule(root, graph), ("q", "s"), ("w0", "w1", "w2"))
+    saved = torch.cat([root.w0, root.w1, root.w2]).detach()
+    whole = torch.ops.kopt.quant_fp8_rowwise(saved)
+
+    events: list[str] = []
+    real_quant = torch.ops.kopt.quant_fp8_rowwise.default
+    holder = offload.HostCopies()
+    real_move = holder.move
+
+    def move(tensors, quiet=False):  # noqa: ANN001, ANN202
+        tensors = list(tensors)
+        events.extend(f"release {t.shape[0]}" for t in tensors)
+        return real_move(tensors, quiet)
+
+    holder.move = move
+    cats = []
+    real_cat = torch.cat
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is real_quant or getattr(func, "_overloadpacket", None) is \
+                    torch.ops.kopt.quant_fp8_rowwise:
+                events.append(f"quant {args[0].shape[0]}")
+            if func in (real_cat, torch.ops.aten.cat.default):
+                cats.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with offload.releasing(holder, list(root.parameters())), Spy():
+        q_t, s_t = program.run(keep=frozenset())
+    assert events == ["quant 3", "release 3", "quant 5", "release 5", "quant 2", "release 2"]
+    assert cats == [] and all(p.untyped_storage().nbytes() == 0 for p in root.parameters())
+    assert torch.equal(q_t.t().view(torch.uint8), whole[0].view(torch.uint8))
+    assert torch.equal(s_t.t(), whole[1])
+    holder.restore()
+    assert torch.equal(torch.cat([root.w0, root.w1, root.w2]).detach(), saved)
+
+
+def test_the_passes_after_fp8_check_a_graph_whose_bf16_weights_left_already() -> None:
+    """``fold_weights`` packs the FP8 weights right after the fp8 pass and moves each BF16
+    weight out as its packed copy is stored: the passes after it run and verify without them,
+    and the result is bit for bit the module that kept them."""
+    from kopt.passes import pipeline
+
+    w = build("qwen-image-tiny")
+    kept = kopt.optimize(w.model, w.args, w.kwargs, FP8, keep_original=True)
+    want = w.run(kept)
+    del kept
+    seen: dict[str, list[str]] = {}
+    real = pipeline.PassManager._run
+
+    def spy(self, gm, example, *a, **k):  # noqa: ANN001, ANN202
+        for p in self.passes:
+            def run(g, sites=None, _run=p.run, _name=p.name):  # noqa: ANN001, ANN202
+                seen[_name] = _emptied(w.model)
+                return _run(g) if sites is None else _run(g, sites)
+            p.run = run
+        return real(self, gm, example, *a, **k)
+
+    pipeline.PassManager._run = spy
+    try:
+        opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    finally:
+        pipeline.PassManager._run = real
+    names = [r.name for r in opt.report.passes]
+    assert names.index("fold_weights") == names.index("fp8") + 1
+    assert seen["fold_weights"] == [] and seen["rowwise_fusion"]
+    assert set(seen["rowwise_fusion"]) <= set(_emptied(w.model))
+    assert all(r.verdict.passed for r in opt.report.passes if r.verdict is not None)
+    assert opt.report.result("fuse_act_quant").verdict is not None  # checked, weights gone
+    assert torch.equal(w.run(opt), want)
+
+
+def test_weights_a_failed_packing_released_come_back(monkeypatch) -> None:  # noqa: ANN001
+    """A ``fold_weights`` that raises halfway, after releasing weights, leaves the graph before
+    it, which reads them: they come back, and the rest of the pipeline runs as without it."""
+    from kopt.passes.fold import FoldConstants
+
+    w = build("qwen-image-tiny")
+    base = kopt.optimize(w.model, w.args, w.kwargs, FP8.replace(fold_weights=False),
+                         keep_original=True)
+    want = w.run(base)
+    del base
+    real = FoldConstants.run
+
+    def failing(self, gm, sites=None):  # noqa: ANN001, ANN202
+        result = real(self, gm, sites)
+        if self.name == "fold_weights":
+            assert _emptied(w.model), "nothing was released before the failure"
+            raise RuntimeError("injected")
+        return result
+
+    monkeypatch.setattr(FoldConstants, "run", failing)
+    monkeypatch.setenv("KOPT_STRICT", "0")  # the tests raise what a pass raises, elsewhere
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    assert "raised RuntimeError: injected" in str(opt.report.result("fold_weights").verdict)
+    assert opt.report.result("fold_constants").matched > 0
+    assert torch.equal(w.run(opt), want)
+    with pytest.warns(UserWarning, match="back on the device for good"):
+        w.run()

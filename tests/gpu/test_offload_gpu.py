@@ -24,6 +24,10 @@ def test_replaced_weights_leave_the_gpu_and_come_back_bit_for_bit(monkeypatch) -
     monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny model's weights move too
     w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
     expected = w.run()
+    # once, so that what the process sets up lazily on first use (libraries' workspaces) is
+    # there in both measurements below
+    kopt.optimize(w.model, w.args, w.kwargs, FP8).restore_original()
+    gc.collect()
     kept = kopt.optimize(w.model, w.args, w.kwargs, FP8, keep_original=True)
     want = w.run(kept)
     torch.cuda.synchronize()
