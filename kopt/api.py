@@ -632,7 +632,7 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
             name, captured.source, capture_seconds, nodes, results, uuid, repeated=repeated,
             warm=line))
     log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
-             len(config.enabled()))
+             len(manager.passes))
     gm, results = manager.run(captured.gm, captured.example_inputs,
                               workload=warm.workload if warm is not None else None)
     uuid = manager.uuid()

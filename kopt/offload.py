@@ -36,7 +36,7 @@ MIN_BYTES = 1 << 20
 # storage identity -> the HostCopies holding its bytes, for whatever meets a moved weight
 _HOLDERS: weakref.WeakValueDictionary[int, HostCopies] = weakref.WeakValueDictionary()
 # (holder, storages it may take) of the innermost releasing() block; None: release nothing
-_RELEASING: list[tuple[HostCopies, frozenset[int]] | None] = []
+_RELEASING: list[tuple[HostCopies, set[int]] | None] = []
 
 
 @contextmanager
@@ -44,7 +44,7 @@ def releasing(holder: HostCopies | None, owned: Iterable[torch.Tensor] = ()) -> 
     """Within the block, :func:`release` moves to ``holder`` the storages of ``owned`` (the
     model's weights) it is given; with ``holder=None`` it moves nothing (a nested block where
     the weights must stay, e.g. a check that runs the graph before a pass again)."""
-    keys = frozenset(t.untyped_storage()._cdata for t in owned)
+    keys = {t.untyped_storage()._cdata for t in owned}
     _RELEASING.append((holder, keys) if holder is not None else None)
     try:
         yield
@@ -62,6 +62,16 @@ def release(tensors: Iterable[torch.Tensor]) -> int:
     if holder._depth:  # a new signature optimized beside the moved weights: the module decides
         return 0
     return holder.move([t for t in tensors if t.untyped_storage()._cdata in owned], quiet=True)
+
+
+def repointed(old: Iterable[torch.Tensor], new: torch.Tensor) -> None:
+    """The model's weights ``old`` now view ``new`` (``fold_constants``'s in-place packing): its
+    storage is the model's, to release as theirs were. Call before re-pointing them."""
+    current = next((c for c in reversed(_RELEASING) if c is not None), None)
+    keys = {t.untyped_storage()._cdata for t in old}
+    if current is not None and keys & current[1]:
+        current[1].difference_update(keys)  # (freed once re-pointed: their ids may recur)
+        current[1].add(new.untyped_storage()._cdata)
 
 
 def released() -> set[int]:

@@ -320,11 +320,9 @@ class Baseline:
     :func:`compare` does).
     """
 
-    def __init__(self, gm: fx.GraphModule, example: Sequence[Any], options: VerifyOptions
-                 ) -> None:
+    def __init__(self, gm: fx.GraphModule, example: Sequence[Any]) -> None:
         self.gm = gm
         self.example = example
-        self.options = options
         self.want: dict[int, list[Any]] = {}
         self.ref: dict[int, list[Any]] = {}
         # (graph, its outputs per seed): the last graph checked that passed on every seed
@@ -382,7 +380,7 @@ class Baseline:
     def _fit(self) -> None:
         values = {id(v): v for d in (self.want, self.ref, self.first) for out in d.values()
                   for v in out}  # the first outputs are the wanted ones until a pass changes them
-        held = sum(_nbytes(v) for v in values.values())
+        held = sum(v.nbytes for v in values.values() if isinstance(v, torch.Tensor))
         if held > BASELINE_BYTES:
             self.keep = False
             self.want, self.ref, self.first = {}, {}, {}
@@ -395,10 +393,6 @@ def _owned(gm: fx.GraphModule, outputs: list[Any]) -> list[Any]:
     if not mutated_attributes(gm) and not _stateful(gm):
         return outputs
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in outputs]
-
-
-def _nbytes(x: Any) -> int:
-    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
 def compare(
@@ -418,7 +412,7 @@ def compare(
     state (e.g. a KV cache) as it was.
     """
     if baseline is None:
-        baseline = Baseline(before, example, options)
+        baseline = Baseline(before, example)
         baseline.keep = False
     elif baseline.gm is not before:
         raise ValueError("the baseline is of another graph than the one before the pass")

@@ -246,10 +246,14 @@ def unpack(payload: bytes) -> Stored:
     return stored
 
 
-def restore(captured: Captured, stored: Stored) -> fx.GraphModule:
+def restore(captured: Captured, stored: Stored, release: bool = False) -> fx.GraphModule:
     """The optimized graph module of ``stored`` over ``captured``'s weights: the load
-    programs run on them, the hoisted regions rebuilt; node for node the graph packed."""
+    programs run on them, the hoisted regions rebuilt; node for node the graph packed.
+    ``release``: each weight the restored graph does not read goes to
+    :func:`kopt.offload.release` once the programs read it for the last time."""
     cap = captured.gm
+    # what stays: the weights the graph reads, and those a program packs in place
+    keep = {attr(cap, name).untyped_storage()._cdata for name in stored.weights}
     mode = fake_mode_of(cap)
     root: dict[str, Any] = {name: attr(cap, name) for name in stored.weights}
     for name, v in stored.inline.items():
@@ -258,11 +262,14 @@ def restore(captured: Captured, stored: Stored) -> fx.GraphModule:
     programs = []
     for nodes, targets, sources, in_place in stored.programs:
         graph = decode_graph(nodes, None)  # run, never inspected: no fake values
+        out = next(n for n in graph.nodes if n.op == "output").args[0]
+        keep.update(root[a.target].untyped_storage()._cdata if a.target in root else
+                    attr(cap, a.target).untyped_storage()._cdata
+                    for i in in_place for a in out[i].args[0])
         # sources: the model's weights, or the constants of a program before (folded after it)
         program = LoadProgram(_LAZY({s: root[s] if s in root else attr(cap, s)
                                      for s in sources}, graph), targets, sources, in_place)
-        values = program.run()
-        out = next(n for n in graph.nodes if n.op == "output").args[0]
+        values = program.run(frozenset(keep) if release else None)
         for i in in_place:  # as fold_constants did: the merged weights held once
             packed = pack_in_place(program.graph_module, out[i], values[i])
             values[i] = values[i] if packed is None else packed
@@ -402,25 +409,42 @@ class WarmStart:
         if found is None:
             return None
         record, payload = found
+        from kopt.verify import random_inputs, run_flat
+
         t0 = time.perf_counter()
+        why = why_unchecked(captured, verify)
+        # the captured graph's outputs first: the restore releases the weights FP8 packs
+        inputs = random_inputs(captured.example_inputs, 0) if why is None else []
+        try:
+            want = pytree.tree_leaves(run_flat(captured.gm, inputs)) if why is None else []
+        except Exception as e:  # noqa: BLE001 -- never the user's: optimized cold instead
+            self._drop(record.entry_id, f"its end-to-end check raised {type(e).__name__} in "
+                                        "the captured graph")
+            return None
+        before = offload.released()
         try:
             with collector_skips_what_lives_already():  # W1: 18000 values made, none freed
                 stored = unpack(payload)
-                gm = restore(captured, stored)
+                gm = restore(captured, stored, release=True)
         except Exception as e:  # an entry this kopt cannot use: never a reason to fail
+            offload.give_back(offload.released() - before)  # the cold passes read them
             self._drop(record.entry_id, f"it could not be restored ({type(e).__name__}: {e})")
             return None
-        why = why_unchecked(captured, verify)
         if why is None:
             try:
-                error = end_to_end_error(captured, gm)
+                got = pytree.tree_leaves(run_flat(gm, inputs))
+                for region in cached_regions(gm):
+                    region.clear()  # random inputs are no entry to serve later calls from
+                error = outputs_error(got, want)
             except Exception as e:  # the restored graph does not even run: never the user's
+                offload.give_back(offload.released() - before)
                 self._drop(record.entry_id, f"its end-to-end check raised {type(e).__name__}: "
                                             f"{str(e).splitlines()[0][:200] if str(e) else ''}")
                 return None
             bound = error_bound(captured, stored.error)
             recorded = "" if stored.error is None else f", {stored.error:.3g} when recorded"
             if not error <= bound:
+                offload.give_back(offload.released() - before)
                 self._drop(record.entry_id, f"its end-to-end check failed: relative error "
                                             f"{error:.3g} against the captured graph, above "
                                             f"{bound:.3g}{recorded}")

@@ -17,7 +17,7 @@ so the concatenation itself is never made.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
@@ -62,11 +62,14 @@ class FoldConstants(Pass):
     numerics = exact("the same ops on the same parameters, evaluated once at load instead of "
                      "at every call")
 
-    def __init__(self, name: str = "fold_constants") -> None:
+    def __init__(self, name: str = "fold_constants", in_place_only: bool = False) -> None:
         self.name = name  # "fold_weights": the same pass, right after the fp8 pass
+        # only the row-concatenations of weights that become the buffer their parameters
+        # view (``pack_merged``, right after the merge: no copy, nothing concatenated per call)
+        self.in_place_only = in_place_only
 
     def config_key(self) -> str:
-        return self.name
+        return f"{self.name} in_place_only={self.in_place_only}"
 
     def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
         t0 = time.perf_counter()
@@ -78,6 +81,8 @@ class FoldConstants(Pass):
             if n in consts and n.op == "call_function"
             and any(u not in consts for u in n.users)
             and (sites is None or n.name in sites)
+            and (not self.in_place_only or (_packs_in_place(n) and _in_place_dtypes(gm, n)
+                                            and gm.meta.get(SOURCE_KEY) == "export"))
         ]
         if not frontier:
             return PassResult(self.name, 0, {KEEP_PER_CALL: len(kept)} if kept else {}, before,
@@ -136,8 +141,9 @@ class FoldConstants(Pass):
         keep = [i for i, n in enumerate(frontier) if n.name in folded]
         program = LoadProgram(_select_outputs(load_gm, keep), tuple(targets), tuple(source_bytes),
                               tuple(in_place))
-        programs: list[LoadProgram] = gm.meta.setdefault("kopt_load_programs", [])
-        programs.append(program)
+        # a new list: the graph copies a pass starts from share their meta's values, and a
+        # pass reverted must not leave its program in the graph kept
+        gm.meta["kopt_load_programs"] = [*gm.meta.get("kopt_load_programs", []), program]
         prune_unused_attributes(gm)  # after the program joins: it may read earlier constants
         gm.recompile()
         notes = (
@@ -182,7 +188,7 @@ class _Streaming(fx.Interpreter):
     that is computed from it goes through that op's fresh outputs)."""
 
     def __init__(self, gm: fx.GraphModule, per_call: frozenset[int] | None = None) -> None:
-        _defer_rows(gm.graph)
+        _defer_rows(gm)
         super().__init__(gm)
         nodes = list(gm.graph.nodes)
         self.outputs = set(nodes[-1].all_input_nodes)
@@ -265,29 +271,76 @@ class _Streaming(fx.Interpreter):
 def _row_concatenated(node: fx.Node) -> bool:
     """Whether ``node`` runs a row-local op on a row-concatenation of attributes."""
     cat = node.args[0] if node.op == "call_function" and node.args else None
-    return (node.target in _row_local() and len(node.args) == 1 and not node.kwargs
-            and isinstance(cat, fx.Node) and cat.target is torch.ops.aten.cat.default
-            and len(cat.users) == 1 and _dim(cat) == 0
+    return (_row_local_call(node) and isinstance(cat, fx.Node)
+            and cat.target is torch.ops.aten.cat.default and len(cat.users) == 1
+            and _dim(cat) == 0
             and all(isinstance(a, fx.Node) and a.op == "get_attr" for a in cat.args[0]))
 
 
-def _defer_rows(graph: fx.Graph) -> None:
-    """Move the row-local ops on row-concatenations, and all computed from them, to the end
-    (in place, their order kept): each allocates its whole output before its sources go, so
-    the largest (W1's 121 modulation weights: 6.3 GiB of FP8) come once the rest has packed
-    and released its weights, not while all the BF16 weights are still there."""
-    later: set[fx.Node] = set()
+def _row_local_call(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _row_local() and len(node.args) == 1
+            and not node.kwargs and isinstance(node.args[0], fx.Node))
+
+
+def _defer_rows(gm: fx.GraphModule) -> None:
+    """Move the row-local ops on weights (an attribute, or a row-concatenation of them), and
+    all computed from them, to the end, smallest input first (in place; the graph stays in
+    topological order). Such an op allocates its whole output before its input goes, so the
+    largest (W1's 121 modulation weights merged: 6.3 GiB of FP8) comes once the rest has been
+    packed and its weights released, not while every BF16 weight is still there."""
+    graph = gm.graph
+    roots = []
     for n in graph.nodes:
-        if n.op != "output" and (_row_concatenated(n) or any(a in later
-                                                             for a in n.all_input_nodes)):
-            later.add(n)
+        if _row_local_call(n) and (_row_concatenated(n) or n.args[0].op == "get_attr"):
+            srcs = n.args[0].args[0] if _row_concatenated(n) else [n.args[0]]
+            roots.append((sum(_nbytes(attr(gm, a.target)) for a in srcs), len(roots), n))
+    rank = {n: i for i, (_, _, n) in enumerate(sorted(roots, key=lambda r: r[:2]))}
+    order: list[tuple[int, int, fx.Node]] = []
+    reached: dict[fx.Node, int] = {}
+    for i, n in enumerate(graph.nodes):
+        ranks = [reached[a] for a in n.all_input_nodes if a in reached]
+        if n in rank:
+            ranks.append(rank[n])
+        if ranks and n.op != "output":
+            reached[n] = max(ranks)
+            order.append((reached[n], i, n))
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    for n in [n for n in graph.nodes if n in later]:
+    for _, _, n in sorted(order, key=lambda r: r[:2]):
         out.prepend(n)
 
 
 def _dim(node: fx.Node) -> int:
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+
+class PackedAfter(Pass):
+    """``inner``, then the row-concatenations of weights it made packed in place (captures
+    through ``torch.export``: :func:`pack_in_place`), before the pass is checked. The
+    concatenation is what ``fold_constants`` would pack later anyway; packed now, the checks
+    of this pass and of those after it read one buffer instead of concatenating the weights
+    per call. The graph after ``fold_constants`` is the same."""
+
+    def __init__(self, inner: Pass) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.numerics = inner.numerics
+        self.rewrites = getattr(inner, "rewrites", ())
+        self._pack = FoldConstants(inner.name, in_place_only=True)
+
+    def config_key(self) -> str:
+        return f"{self.inner.uuid()} packed after"
+
+    def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
+        result = self.inner.run(gm, sites)
+        if not result.matched:
+            return result
+        packed = self._pack.run(gm)
+        if not packed.matched:
+            return result
+        return replace(result, nodes_after=packed.nodes_after,
+                       seconds=result.seconds + packed.seconds,
+                       notes=(*result.notes, f"{packed.matched} concatenations of weights packed "
+                              "at load, the parameters viewing them"))
 
 
 def _drop_collectives(graph: fx.Graph, consts: set[fx.Node]) -> list[fx.Node]:
@@ -327,6 +380,7 @@ def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor
     if any(t.untyped_storage().nbytes() != _nbytes(t) for t in tensors):  # views of a buffer
         return _adjacent_rows(tensors, value)
     offset = 0
+    offload.repointed(tensors, value)
     with torch.no_grad():
         for t in tensors:
             rows = t.shape[0]
@@ -340,6 +394,14 @@ def _packs_in_place(node: fx.Node) -> bool:
     may make its sources view)."""
     return (node.target is torch.ops.aten.cat.default and _dim(node) == 0
             and all(isinstance(s, fx.Node) and s.op == "get_attr" for s in node.args[0]))
+
+
+def _in_place_dtypes(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether the concatenation's sources are contiguous, of one dtype and device, as
+    :func:`pack_in_place` needs."""
+    tensors = [attr(gm, s.target) for s in node.args[0]]
+    return len({(t.dtype, t.device) for t in tensors}) == 1 and all(
+        t.is_contiguous() for t in tensors)
 
 
 def _adjacent_rows(tensors: list[torch.Tensor], value: torch.Tensor) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ from kopt.passes.base import Pass, PassResult, RewritePass, Verdict, count_nodes
 from kopt.passes.cat import CatRows
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
-from kopt.passes.fold import FoldConstants
+from kopt.passes.fold import FoldConstants, PackedAfter
 from kopt.passes.gqa import FoldGroupedQueryHeads
 from kopt.passes.hoist import HoistInvariants
 from kopt.passes.noop import ReinplaceCacheUpdates, RemoveNoOps
@@ -63,7 +63,8 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("remove_noops", lambda c: RemoveNoOps()),
     ("reinplace", lambda c: ReinplaceCacheUpdates()),
     ("cse", lambda c: EliminateCommonSubexpressions()),  # exposes shared inputs to the merge
-    ("merge_projections", lambda c: RewritePass("merge_projections", [MERGE_PROJECTIONS])),
+    ("merge_projections",
+     lambda c: PackedAfter(RewritePass("merge_projections", [MERGE_PROJECTIONS]))),
     ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV
     # the FP8 weights packed before the passes below check anything (memory, not speed)
     ("fold_weights", lambda c: FoldConstants("fold_weights") if c.fp8 is not None else None),
@@ -155,7 +156,7 @@ class PassManager:
         if not snapshots:
             gm = copy_graph_module(gm)  # the captured graph stays as captured
         # each check's reference: the outputs of the graph the passes accepted so far
-        baseline = Baseline(gm, example_inputs, self.verify) if self.verify.enabled else None
+        baseline = Baseline(gm, example_inputs) if self.verify.enabled else None
         released = offload.released()  # weights fold_constants moved before this run
         for i, p in enumerate(self.passes, start=1):
             if (skipped := kb.skip(p, gm)) is not None:

@@ -501,8 +501,19 @@ def test_dead_end_scope_and_who_lifts_it(kb: KnowledgeBase) -> None:
     assert skip_reason(kb, "cse", "W3", "cpu") is None
 
 
+class _ScaledQKV(QKV):
+    """QKV and a parameter-only op besides the merge's (a pass other than the merge accepted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(37))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale.exp()
+
+
 def test_pipeline_skips_a_dead_end_and_retry_runs_it(kb: KnowledgeBase) -> None:
-    model, args = QKV().eval(), (torch.randn(2, 37),)
+    model, args = _ScaledQKV().eval(), (torch.randn(2, 37),)
     with using(kb) as s1:
         first = kopt.optimize(model, args).report.result("merge_projections")
     assert first.matched > 0 and first.verdict.passed

@@ -228,3 +228,108 @@ def test_weights_a_failed_packing_released_come_back(monkeypatch) -> None:  # no
     assert torch.equal(w.run(opt), want)
     with pytest.warns(UserWarning, match="back on the device for good"):
         w.run()
+
+
+def test_the_largest_weight_is_quantized_last() -> None:
+    """Each row-local op allocates its whole output before its weight goes: the load program
+    runs them smallest weight first, after everything else, so the largest output comes when
+    the other weights have left already."""
+    from torch import fx
+
+    from kopt.codegen.kernels import quant_fp8  # noqa: F401 -- registers the op
+    from kopt.passes.fold import _defer_rows
+
+    root = torch.nn.Module()
+    for name, rows in (("big", 64), ("small", 4), ("other", 8)):
+        root.register_parameter(name, torch.nn.Parameter(torch.randn(rows, 16)))
+    graph = fx.Graph()
+    quants = {}
+    for name in ("big", "small"):
+        quants[name] = graph.call_function(torch.ops.kopt.quant_fp8_rowwise.default,
+                                           (graph.get_attr(name),))
+    other = graph.call_function(torch.ops.aten.t.default, (graph.get_attr("other"),))
+    graph.output((quants["big"], quants["small"], other))
+    gm = fx.GraphModule(root, graph)
+    _defer_rows(gm)
+    order = list(gm.graph.nodes)
+    assert order.index(other) < order.index(quants["small"]) < order.index(quants["big"])
+    gm.graph.lint()
+
+
+def test_no_check_concatenates_the_merged_weights(monkeypatch) -> None:  # noqa: ANN001
+    """The merge pass packs the concatenations it makes before it is checked (the parameters
+    view the packed buffer): no check, its own and FP8's included, concatenates weights per
+    call (W1: 12.7 GiB each time), and the result is bit for bit the one packed later."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kopt.passes import fold, pipeline
+
+    cats: list[str] = []
+    params: set[int] = set()
+
+    class Cats(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is torch.ops.aten.cat.default and all(  # of whole weights
+                    t.untyped_storage()._cdata in params
+                    and t.untyped_storage().nbytes() == t.nbytes for t in args[0]):
+                cats.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    real = pipeline.compare
+
+    def compare(before, after, *a, **k):  # noqa: ANN001, ANN202
+        with Cats():
+            return real(before, after, *a, **k)
+
+    monkeypatch.setattr(pipeline, "compare", compare)
+
+    def optimize(**kw: object) -> torch.Tensor:
+        w = build("qwen-image-tiny")
+        params.clear()
+        params.update(p.untyped_storage()._cdata for p in w.model.parameters())
+        opt = kopt.optimize(w.model, w.args, w.kwargs, FP8, keep_original=True)
+        assert any("packed at load" in n for n in opt.report.result("merge_projections").notes
+                   ) == kw.get("packed", True)
+        return w.run(opt)
+
+    with monkeypatch.context() as m:  # the merge as it was: packed only by fold_constants
+        m.setattr(fold.PackedAfter, "run", lambda self, gm, sites=None: self.inner.run(gm, sites))
+        want = optimize(packed=False)
+    assert cats  # its checks concatenate the merged weights
+    cats.clear()
+    assert torch.equal(optimize(), want)
+    assert cats == []
+
+
+def test_a_warm_start_releases_the_weights_as_it_packs(tmp_path) -> None:  # noqa: ANN001
+    """A warm start runs the recorded load programs with the same releases as the cold run:
+    the BF16 weights are gone once the graph is restored, its end-to-end check (the captured
+    graph run first) passes, and the outputs are the cold module's, bit for bit."""
+    from kopt.kb import KnowledgeBase, using
+    from kopt.offload import HostCopies
+
+    moves: list[int] = []
+    real = HostCopies.move
+
+    def move(self, tensors, quiet=False):  # noqa: ANN001, ANN202
+        n = real(self, tensors, quiet)
+        moves.append(n)
+        return n
+
+    with KnowledgeBase.open(tmp_path / "kb.sqlite") as kb:
+        outs = []
+        for _ in range(2):
+            w = build("qwen-image-tiny")
+            with using(kb):
+                moves.clear()
+                HostCopies.move = move
+                try:
+                    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8,
+                                        verify=kopt.VerifyOptions(seeds=(0,)))
+                finally:
+                    HostCopies.move = real
+            outs.append(w.run(opt))
+            # all but the module's last sweep moved one weight at a time, as packed
+            assert len([n for n in moves if n]) > 1 and _emptied(w.model)
+        assert "warm start" in opt.report.warm and "check on seed 0 passed" in opt.report.warm
+    assert torch.equal(outs[0], outs[1])

@@ -339,7 +339,7 @@ def test_kept_outputs_are_copies_where_the_graph_writes_state() -> None:
 
     gm = fx.symbolic_trace(Store())
     example, options = [torch.randn(4)], VerifyOptions(seeds=(0,))
-    base = Baseline(gm, example, options)
+    base = Baseline(gm, example)
     first = copy_graph_module(gm)
     assert compare(gm, first, example, exact("a copy"), options, base).passed
     base.accept(first, exact("a copy"))
