@@ -17,6 +17,7 @@ so the concatenation itself is never made.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -103,8 +104,11 @@ class FoldConstants(Pass):
                     for a in n.args[0])
         released = offload.released()
         with torch.no_grad():
-            values = _Streaming(load_gm, frozenset(t.untyped_storage()._cdata
-                                                   for t in keep)).values()
+            streaming = _Streaming(load_gm, frozenset(t.untyped_storage()._cdata for t in keep),
+                                   (lambda n, v: pack_in_place(load_gm, n, v)) if export
+                                   else None)
+            values = streaming.values()
+        packed_early = {n.name for n in streaming.packed}
         rejected: dict[str, int] = {KEEP_PER_CALL: len(kept)} if kept else {}
         targets, kept_values, folded, in_place = [], [], [], []
         added = aliased = 0
@@ -114,8 +118,12 @@ class FoldConstants(Pass):
                 reason = "folded value would be larger than its inputs and > 64 MiB"
                 rejected[reason] = rejected.get(reason, 0) + 1
                 continue
-            views = value.untyped_storage()._cdata in storages  # of a parameter already
-            packed = pack_in_place(gm, node, value) if not views and export else None
+            # packed as it was made: its weights view it already (and a storage id taken
+            # before the run may since name a new storage: it is no view for that)
+            early = node.name in packed_early
+            views = not early and value.untyped_storage()._cdata in storages
+            packed = value if early else (
+                pack_in_place(gm, node, value) if not views and export else None)
             value = value if packed is None else packed
             const = add_constant(gm, value, hint=node.name)
             node.replace_all_uses_with(const)
@@ -187,8 +195,14 @@ class _Streaming(fx.Interpreter):
     outputs' rows; an attribute read only there goes as soon as its rows are written (all
     that is computed from it goes through that op's fresh outputs)."""
 
-    def __init__(self, gm: fx.GraphModule, per_call: frozenset[int] | None = None) -> None:
+    def __init__(self, gm: fx.GraphModule, per_call: frozenset[int] | None = None,
+                 pack: Callable[[fx.Node, torch.Tensor], torch.Tensor | None] | None = None,
+                 ) -> None:
         _defer_rows(gm)
+        # applied to each output row-concatenation of weights as soon as it is made
+        # (:func:`pack_in_place`): the weights it copies go before the next one is made
+        self.pack = pack
+        self.packed: list[fx.Node] = []  # the outputs ``pack`` packed
         super().__init__(gm)
         nodes = list(gm.graph.nodes)
         self.outputs = set(nodes[-1].all_input_nodes)
@@ -225,6 +239,11 @@ class _Streaming(fx.Interpreter):
             return None  # made row by row by its one user
         cat = n.args[0] if n.args and self.rows.get(n.args[0]) is n else None
         value = self._by_rows(n, cat) if cat is not None else super().run_node(n)
+        if n in self.outputs and self.pack is not None and _packs_in_place(n):
+            packed = self.pack(n, value)  # its weights re-pointed now, their storage freed
+            if packed is not None:
+                value = packed
+                self.packed.append(n)
         if n in self.outputs:
             self.kept.update(t.untyped_storage()._cdata for t in pytree.tree_leaves(value)
                              if isinstance(t, torch.Tensor))
