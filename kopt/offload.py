@@ -119,9 +119,9 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 # D2H copies go through two pinned buffers of this size into pageable host memory: pinning
-# the whole destination costs more than the copy (per storage, 1.49 GiB/s of W1's weights
-# pinned, against 12 GiB/s staged, and 2.4 GiB/s copying into fresh pageable memory directly;
-# H100, RESULTS.md 2026-12-06)
+# the whole destination costs more than the copy (12 GiB of W1-block-shaped tensors: pinned
+# per storage at 1.49 GiB/s, against 12 GiB/s staged and 2.4 GiB/s copied into fresh pageable
+# memory directly; H100, RESULTS.md 2026-12-06)
 STAGE_BYTES = 64 << 20
 _STAGES: list[torch.Tensor] = []  # the two pinned buffers, made at the first copy
 

@@ -66,7 +66,7 @@ class FoldConstants(Pass):
     def __init__(self, name: str = "fold_constants", in_place_only: bool = False) -> None:
         self.name = name  # "fold_weights": the same pass, right after the fp8 pass
         # only the row-concatenations of weights that become the buffer their parameters
-        # view (``pack_merged``, right after the merge: no copy, nothing concatenated per call)
+        # view (:class:`PackedAfter`, in the merge pass: no copy, nothing concatenated per call)
         self.in_place_only = in_place_only
 
     def config_key(self) -> str:
@@ -190,10 +190,10 @@ class _Streaming(fx.Interpreter):
     Interpreter's own bookkeeping), and hands each weight's storage to
     :func:`kopt.offload.release` once every value computed from it is computed and none of
     them views it. ``per_call``: storages the graph still reads per call, never released
-    (None: nothing is released). A
-    row-local op on a row-concatenation of attributes runs one attribute at a time into its
-    outputs' rows; an attribute read only there goes as soon as its rows are written (all
-    that is computed from it goes through that op's fresh outputs)."""
+    (None: nothing is released). A row-local op on a row-concatenation of attributes runs one
+    attribute at a time into its outputs' rows; an attribute read only there goes as soon as
+    its rows are written (all that is computed from it goes through that op's fresh
+    outputs)."""
 
     def __init__(self, gm: fx.GraphModule, per_call: frozenset[int] | None = None,
                  pack: Callable[[fx.Node, torch.Tensor], torch.Tensor | None] | None = None,
