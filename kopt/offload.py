@@ -74,6 +74,34 @@ def repointed(old: Iterable[torch.Tensor], new: torch.Tensor) -> None:
         current[1].add(new.untyped_storage()._cdata)
 
 
+def copied_out(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Host copies of ``tensors`` (whole storages), each device storage freed as soon as it is
+    copied, for a value to be rebuilt from them on the device without the device holding both
+    (``fold_constants``'s largest concatenations of weights). None, with nothing moved, unless
+    the enclosing :func:`releasing` block may move every one of them. :func:`put_back` undoes
+    it."""
+    current = _RELEASING[-1] if _RELEASING else None
+    if current is None or current[0]._depth or not all(
+            t.device.type in OFFLOAD_DEVICES and t.untyped_storage()._cdata in current[1]
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors):
+        return None
+    hosts = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        hosts.append(_to_host(_as_bytes(storage)))
+        storage.resize_(0)
+    return hosts
+
+
+def put_back(tensors: list[torch.Tensor], hosts: list[torch.Tensor]) -> None:
+    """The storages :func:`copied_out` freed, back on their device with their bytes."""
+    for t, host in zip(tensors, hosts, strict=True):
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host)
+
+
 def released() -> set[int]:
     """The storages (by identity) moved so far by the enclosing :func:`releasing` block's
     holder: what :func:`give_back` can return to."""

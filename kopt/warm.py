@@ -63,7 +63,7 @@ from kopt.kb.session import Session, active
 from kopt.kb.store import KnowledgeBaseError, format_time, kopt_build
 from kopt.kb.verdicts import inputs_device, skip_reason, workload_key
 from kopt.passes.base import PassResult
-from kopt.passes.fold import LoadProgram, pack_in_place
+from kopt.passes.fold import LoadProgram
 from kopt.patterns.core import Rejection, Verdict
 
 if TYPE_CHECKING:
@@ -269,10 +269,8 @@ def restore(captured: Captured, stored: Stored, release: bool = False) -> fx.Gra
         # sources: the model's weights, or the constants of a program before (folded after it)
         program = LoadProgram(_LAZY({s: root[s] if s in root else attr(cap, s)
                                      for s in sources}, graph), targets, sources, in_place)
-        values = program.run(frozenset(keep) if release else None)
-        for i in in_place:  # as fold_constants did: the merged weights held once
-            packed = pack_in_place(program.graph_module, out[i], values[i])
-            values[i] = values[i] if packed is None else packed
+        # packed as fold_constants did: the merged weights held once
+        values = program.run(frozenset(keep) if release else None, pack=True)
         root.update(zip(targets, values, strict=True))
         programs.append(program)
     constants = {t for p in programs for t in p.targets}
@@ -318,10 +316,23 @@ def end_to_end_error(captured: Captured, gm: fx.GraphModule) -> float:
     """The largest relative error (Frobenius) of ``gm``'s floating outputs against the
     captured graph's on seed 0's random inputs; inf where one of them is not finite where
     the captured graph's is."""
+    inputs, want = captured_outputs(captured)
+    return error_against(gm, inputs, want)
+
+
+def captured_outputs(captured: Captured) -> tuple[list[Any], list[Any]]:
+    """Seed 0's random inputs and the captured graph's outputs on them: the reference of
+    :func:`error_against`, computed first where the other graph's making releases weights."""
     from kopt.verify import random_inputs, run_flat
 
     inputs = random_inputs(captured.example_inputs, 0)
-    want = pytree.tree_leaves(run_flat(captured.gm, inputs))
+    return inputs, pytree.tree_leaves(run_flat(captured.gm, inputs))
+
+
+def error_against(gm: fx.GraphModule, inputs: list[Any], want: list[Any]) -> float:
+    """:func:`end_to_end_error` of ``gm`` against the captured graph's outputs ``want``."""
+    from kopt.verify import run_flat
+
     got = pytree.tree_leaves(run_flat(gm, inputs))
     for region in cached_regions(gm):
         region.clear()  # random inputs are no entry to serve later calls from
@@ -409,14 +420,10 @@ class WarmStart:
         if found is None:
             return None
         record, payload = found
-        from kopt.verify import random_inputs, run_flat
-
         t0 = time.perf_counter()
         why = why_unchecked(captured, verify)
-        # the captured graph's outputs first: the restore releases the weights FP8 packs
-        inputs = random_inputs(captured.example_inputs, 0) if why is None else []
-        try:
-            want = pytree.tree_leaves(run_flat(captured.gm, inputs)) if why is None else []
+        try:  # the captured graph's outputs first: the restore releases the weights FP8 packs
+            inputs, want = captured_outputs(captured) if why is None else ([], [])
         except Exception as e:  # noqa: BLE001 -- never the user's: optimized cold instead
             self._drop(record.entry_id, f"its end-to-end check raised {type(e).__name__} in "
                                         "the captured graph")
@@ -432,10 +439,7 @@ class WarmStart:
             return None
         if why is None:
             try:
-                got = pytree.tree_leaves(run_flat(gm, inputs))
-                for region in cached_regions(gm):
-                    region.clear()  # random inputs are no entry to serve later calls from
-                error = outputs_error(got, want)
+                error = error_against(gm, inputs, want)
             except Exception as e:  # the restored graph does not even run: never the user's
                 offload.give_back(offload.released() - before)
                 self._drop(record.entry_id, f"its end-to-end check raised {type(e).__name__}: "

@@ -102,6 +102,13 @@ class PassConfig:
     near the BF16 model's size instead of the model plus its packed copy. Exact: the same ops
     on the same weights (the graph is the one ``fold_constants`` alone would leave)."""
 
+    fp8_large: bool = True
+    """With ``fp8``: the linears whose weights are over 1 GiB (W1's 121 modulation weights
+    merged: 12.7 GiB) made FP8 in a second round, after ``fold_weights``. Until the weights
+    are packed, a check quantizes each weight per call; the FP8 copy of such a weight (6.3 GiB)
+    would otherwise sit beside every BF16 weight. Off: those linears stay in the model's
+    dtype."""
+
     absorb_bias: bool = True
     """A bias add after a GEMM (the FP8 linears') moves into the GEMM's epilogue."""
 

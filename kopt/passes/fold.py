@@ -35,6 +35,11 @@ from kopt.patterns.core import exact
 # A folded tensor larger than this, and larger than what it is computed from, is left per call:
 # storing e.g. an expanded all-ones mask would trade a cheap kernel for a lot of memory.
 MAX_GROWTH_BYTES = 64 << 20
+# A row-concatenation of weights larger than this, packed in place while the weights may move
+# (:func:`kopt.offload.releasing`), is assembled through host memory: each weight is copied out
+# and its device memory freed before the buffer is allocated, so the device never holds the
+# weights and their concatenation at once (W1's 121 modulation weights merged: 12.7 GiB).
+HOST_PACK_BYTES = 1 << 30
 
 
 @dataclass
@@ -47,12 +52,18 @@ class LoadProgram:
     # outputs (by index) whose source parameters were re-pointed into them (:func:`pack_in_place`)
     packed_in_place: tuple[int, ...] = ()
 
-    def run(self, keep: frozenset[int] | None = None) -> list[torch.Tensor]:
+    def run(self, keep: frozenset[int] | None = None, pack: bool = False
+            ) -> list[torch.Tensor]:
         """The folded values. ``keep``: storages the optimized graph reads itself; every other
         weight is handed to :func:`kopt.offload.release` once read for the last time (None:
-        none is)."""
+        none is). ``pack``: the outputs in ``packed_in_place`` packed in place as they are
+        made, as ``fold_constants`` did (:func:`pack_in_place`)."""
+        gm = self.graph_module
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        in_place = {out[i] for i in self.packed_in_place}
         with torch.no_grad():
-            return _Streaming(self.graph_module, keep).values()
+            return _Streaming(gm, keep, (lambda n, v: pack_in_place(gm, n, v)) if pack else None,
+                              in_place).values()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -82,7 +93,7 @@ class FoldConstants(Pass):
             if n in consts and n.op == "call_function"
             and any(u not in consts for u in n.users)
             and (sites is None or n.name in sites)
-            and (not self.in_place_only or (_packs_in_place(n) and _in_place_dtypes(gm, n)
+            and (not self.in_place_only or (_packs_in_place(n) and _sources(gm, n) is not None
                                             and gm.meta.get(SOURCE_KEY) == "export"))
         ]
         if not frontier:
@@ -197,11 +208,13 @@ class _Streaming(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, per_call: frozenset[int] | None = None,
                  pack: Callable[[fx.Node, torch.Tensor], torch.Tensor | None] | None = None,
-                 ) -> None:
+                 pack_only: set[fx.Node] | None = None) -> None:
         _defer_rows(gm)
-        # applied to each output row-concatenation of weights as soon as it is made
-        # (:func:`pack_in_place`): the weights it copies go before the next one is made
+        # applied to each output row-concatenation of weights (those in ``pack_only``, if
+        # given) as soon as it is made (:func:`pack_in_place`): the weights it copies go before
+        # the next one is made
         self.pack = pack
+        self.pack_only = pack_only
         self.packed: list[fx.Node] = []  # the outputs ``pack`` packed
         super().__init__(gm)
         nodes = list(gm.graph.nodes)
@@ -238,8 +251,14 @@ class _Streaming(fx.Interpreter):
         if n in self.rows:
             return None  # made row by row by its one user
         cat = n.args[0] if n.args and self.rows.get(n.args[0]) is n else None
-        value = self._by_rows(n, cat) if cat is not None else super().run_node(n)
-        if n in self.outputs and self.pack is not None and _packs_in_place(n):
+        packs = (n in self.outputs and self.pack is not None and _packs_in_place(n)
+                 and (self.pack_only is None or n in self.pack_only))
+        value = self._by_rows(n, cat) if cat is not None else None
+        if value is None and packs:
+            value = _cat_through_host(self.module, n)
+        if value is None:
+            value = super().run_node(n)
+        if packs:
             packed = self.pack(n, value)  # its weights re-pointed now, their storage freed
             if packed is not None:
                 value = packed
@@ -390,22 +409,49 @@ def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor
     """
     if not _packs_in_place(node) or not value.is_contiguous():
         return None
-    sources = node.args[0]
-    tensors = [attr(gm, s.target) for s in sources]
-    if len({id(t) for t in tensors}) != len(tensors) or not all(
-            t.is_contiguous() and t.dtype == value.dtype and t.device == value.device
-            for t in tensors):
+    tensors = _sources(gm, node)
+    if tensors is None or tensors[0].dtype != value.dtype or tensors[0].device != value.device:
         return None
     if any(t.untyped_storage().nbytes() != _nbytes(t) for t in tensors):  # views of a buffer
         return _adjacent_rows(tensors, value)
-    offset = 0
-    offload.repointed(tensors, value)
-    with torch.no_grad():
-        for t in tensors:
-            rows = t.shape[0]
-            t.data = value[offset:offset + rows]
-            offset += rows
+    _repoint(tensors, value)
     return value
+
+
+def _cat_through_host(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
+    """The row-concatenation ``node`` of weights, made through host memory with its weights
+    re-pointed at its rows (:data:`HOST_PACK_BYTES`); None where it is made on the device."""
+    tensors = _sources(gm, node)
+    if (tensors is None or sum(_nbytes(t) for t in tensors) <= HOST_PACK_BYTES
+            or len({t.untyped_storage()._cdata for t in tensors}) != len(tensors)):
+        return None
+    hosts = offload.copied_out(tensors)
+    if hosts is None:
+        return None
+    first = tensors[0]
+    try:
+        value = torch.empty((sum(t.shape[0] for t in tensors), *first.shape[1:]),
+                            dtype=first.dtype, device=first.device)
+    except BaseException:
+        offload.put_back(tensors, hosts)
+        raise
+    _repoint(tensors, value, hosts)
+    return value
+
+
+def _repoint(tensors: list[torch.Tensor], value: torch.Tensor,
+             hosts: list[torch.Tensor] | None = None) -> None:
+    """Re-point ``tensors`` at their rows of ``value``, one after another (``hosts``: their
+    bytes, written into those rows first)."""
+    offload.repointed(tensors, value)
+    offset = 0
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            rows = value[offset:offset + t.shape[0]]
+            if hosts is not None:
+                rows.view(-1).view(torch.uint8).copy_(hosts[i])
+            t.data = rows
+            offset += t.shape[0]
 
 
 def _packs_in_place(node: fx.Node) -> bool:
@@ -415,12 +461,15 @@ def _packs_in_place(node: fx.Node) -> bool:
             and all(isinstance(s, fx.Node) and s.op == "get_attr" for s in node.args[0]))
 
 
-def _in_place_dtypes(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether the concatenation's sources are contiguous, of one dtype and device, as
-    :func:`pack_in_place` needs."""
+def _sources(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor] | None:
+    """The weights the row-concatenation ``node`` reads, where :func:`pack_in_place` can make
+    them views of one buffer: distinct tensors, contiguous, of one dtype and device."""
     tensors = [attr(gm, s.target) for s in node.args[0]]
-    return len({(t.dtype, t.device) for t in tensors}) == 1 and all(
-        t.is_contiguous() for t in tensors)
+    if (len({id(t) for t in tensors}) != len(tensors)
+            or len({(t.dtype, t.device) for t in tensors}) != 1
+            or not all(t.is_contiguous() for t in tensors)):
+        return None
+    return tensors
 
 
 def _adjacent_rows(tensors: list[torch.Tensor], value: torch.Tensor) -> torch.Tensor | None:

@@ -47,7 +47,7 @@ from kopt.patterns.gemm_epilogue import (
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.patterns.rowwise_fusion import rowwise_fusions
-from kopt.verify import Baseline, VerifyOptions, agree_across_ranks, compare
+from kopt.verify import Baseline, VerifyOptions, agree_across_ranks, compare, forget_sites
 
 if TYPE_CHECKING:
     from kopt.cost import CostModel, PassPrediction, Ranking
@@ -65,9 +65,14 @@ PIPELINE: tuple[tuple[str, Callable[[PassConfig], Pass]], ...] = (
     ("cse", lambda c: EliminateCommonSubexpressions()),  # exposes shared inputs to the merge
     ("merge_projections",
      lambda c: PackedAfter(RewritePass("merge_projections", [MERGE_PROJECTIONS]))),
-    ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8)])),  # after merge: one quant/QKV
+    # after merge: one quant/QKV; the linears with weights over 1 GiB in a second round
+    ("fp8", lambda c: RewritePass("fp8", [fp8_linear(c.fp8, large=False)])),
     # the FP8 weights packed before the passes below check anything (memory, not speed)
     ("fold_weights", lambda c: FoldConstants("fold_weights") if c.fp8 is not None else None),
+    # its check quantizes those weights per call once the BF16 weights packed above have left
+    # (fold_constants packs them)
+    ("fp8_large", lambda c: RewritePass("fp8_large", [fp8_linear(c.fp8, large=True)])
+     if c.fp8 else None),
     ("absorb_bias", lambda c: RewritePass("absorb_bias", [ABSORB_BIAS, SPLIT_BIAS_ADD])),
     ("gemm_epilogue", lambda c: RewritePass("gemm_epilogue", [GEMM_EPILOGUE])),
     # q/k are views of the merged QKV output here; the quantizers are the fp8 pass's
@@ -200,6 +205,7 @@ class PassManager:
                     with offload.releasing(None):
                         candidate, result, verdict = self._salvage(p, gm, example_inputs,
                                                                    result, verdict, baseline)
+            forget_sites(candidate)
             if baseline is not None:
                 baseline.accept(candidate, p.numerics)
             result = replace(result, verdict=verdict)

@@ -33,9 +33,17 @@ BLOCK = 128
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # torch._scaled_mm needs both GEMM dimensions to be multiples of 16.
 ALIGN = 16
+# Linears with a weight larger than this are quantized in a second round (``fp8_large``, after
+# ``fold_weights``): until the weights are packed, a check quantizes each weight per call, and
+# the FP8 copy of the largest (W1's 121 modulation weights merged: 6.3 GiB) would sit beside
+# every BF16 weight; by the second round the others' BF16 copies have left.
+LARGE_BYTES = 1 << 30
 
 
-def find_fp8_linears(config: FP8Config):  # noqa: ANN201
+def find_fp8_linears(config: FP8Config, large: bool | None = None):  # noqa: ANN201
+    """The eligible linears; ``large``: only those whose weight is over :data:`LARGE_BYTES`
+    (True), only the others (False: the large ones rejected, left to the second round), or
+    all (None)."""
     def find(gm: fx.GraphModule) -> Iterator[Match | Rejection]:
         consts = constant_nodes(gm.graph)
         for node in gm.graph.nodes:
@@ -43,6 +51,12 @@ def find_fp8_linears(config: FP8Config):  # noqa: ANN201
                 continue
             x, w = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            nbytes = _nbytes(w)
+            if large is not None and (nbytes > LARGE_BYTES) != large:
+                if not large:
+                    yield Rejection(NAME, node.name, "weight over 1 GiB: quantized after "
+                                    "fold_weights, by fp8_large")
+                continue
             reason = _ineligible(x, w, bias, consts, config)
             if reason:
                 yield Rejection(NAME, node.name, reason)
@@ -147,10 +161,16 @@ NAME = "fp8_linear"
 FP8_BOUND = 2.0**-3
 
 
-def fp8_linear(config: FP8Config) -> StructuralRewrite:
+def _nbytes(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def fp8_linear(config: FP8Config, large: bool | None = None) -> StructuralRewrite:
+    """The rewrite, on the linears :func:`find_fp8_linears` takes for ``large``."""
     return StructuralRewrite(
         name=NAME,
-        matcher=find_fp8_linears(config),
+        matcher=find_fp8_linears(config, large),
         applier=functools.partial(to_fp8, layout=config.layout, accumulate=config.accumulate),
         numerics=bounded("e4m3 operands with per-row scales: each GEMM within 2^-3 relative "
                          "error of its fp64 product", FP8_BOUND),

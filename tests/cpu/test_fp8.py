@@ -231,3 +231,29 @@ def test_the_per_site_reference_upcasts_the_weight_a_block_at_a_time(monkeypatch
         whole.run(*cap.example_inputs)
     assert whole.worst[1] == blocked.worst[1]
     assert blocked.worst[0] == pytest.approx(whole.worst[0], rel=1e-9)
+
+
+def test_linears_with_large_weights_are_quantized_after_the_others_are_packed(monkeypatch) -> None:  # noqa: ANN001
+    """``fp8`` leaves the linears with weights over ``LARGE_BYTES`` to ``fp8_large``, which runs
+    after ``fold_weights``: no check quantizes such a weight per call while every BF16 weight
+    is still there. Each check measures only its own sites (``fp8``'s site references name
+    weights ``fold_weights`` folded away), and the optimized model is the one a single round
+    gives, bit for bit."""
+    from kopt.models import build
+    from kopt.patterns import fp8
+
+    config = kopt.PassConfig(fp8=FP8Config(min_features=16))
+    outs, matched = [], []
+    for large in (1 << 30, 4096):
+        monkeypatch.setattr(fp8, "LARGE_BYTES", large)
+        w = build("qwen-image-tiny")
+        opt = kopt.optimize(w.model, w.args, w.kwargs, config, keep_original=True,
+                            verify=VerifyOptions(seeds=(0,)))
+        assert opt.report.verified and not any(r.reverted for r in opt.report.passes)
+        outs.append(w.run(opt))
+        first, second = opt.report.result("fp8"), opt.report.result("fp8_large")
+        matched.append((first.matched, second.matched))
+    (all_sites, none), (first, second) = matched
+    assert none == 0 and 0 < first < all_sites and first + second == all_sites
+    assert "weight over 1 GiB" in str(opt.report.result("fp8").rejected)
+    assert torch.equal(outs[0], outs[1])

@@ -166,6 +166,73 @@ def test_fp8_packing_releases_each_weight_as_its_rows_are_written() -> None:
     assert torch.equal(torch.cat([root.w0, root.w1, root.w2]).detach(), saved)
 
 
+def _three_weights_merged() -> tuple:  # noqa: ANN202
+    """A graph ``linear(x, cat([w0; w1; w2]))`` as the merge pass leaves it, from export."""
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kopt.capture import SOURCE_KEY
+
+    root = torch.nn.Module()
+    for i, rows in enumerate((3, 5, 2)):
+        root.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(rows, 8) * (i + 1)))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = FakeTensorMode().from_tensor(torch.empty(4, 8))  # the pass's fake mode
+    cat = graph.call_function(torch.ops.aten.cat.default,
+                              ([graph.get_attr(f"w{i}") for i in range(3)], 0))
+    graph.output(graph.call_function(torch.ops.aten.linear.default, (x, cat)))
+    gm = fx.GraphModule(root, graph)
+    gm.meta[SOURCE_KEY] = "export"
+    return gm, list(root.parameters())
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_large_concatenation_is_assembled_through_host_memory(monkeypatch, fails) -> None:  # noqa: ANN001
+    """A concatenation of weights above ``HOST_PACK_BYTES``, packed in place while the weights
+    may move, is made from host copies: every weight's device memory is freed before the
+    buffer is allocated (the device never holds both), the weights then view its rows with
+    their values, and the buffer is the model's to release. If the buffer cannot be allocated,
+    the weights come back with their bytes and the error is the allocator's."""
+    from kopt.passes import fold
+
+    gm, weights = _three_weights_merged()
+    saved = [w.detach().clone() for w in weights]
+    x = torch.randn(4, 8)
+    want = gm(x)
+    monkeypatch.setattr(fold, "HOST_PACK_BYTES", 0)
+    alive: list[list[int]] = []  # each source storage's bytes when a buffer is allocated
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if args and args[0] == (10, 8):
+            alive.append([w.untyped_storage().nbytes() for w in weights])
+            if fails:
+                raise torch.OutOfMemoryError("no room for the buffer")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    holder = offload.HostCopies()
+    with offload.releasing(holder, weights):
+        if fails:
+            with pytest.raises(torch.OutOfMemoryError, match="no room"):
+                fold.FoldConstants("merge", in_place_only=True).run(gm)
+            assert alive == [[0, 0, 0]]
+            assert all(torch.equal(w, v) for w, v in zip(weights, saved, strict=True))
+            return
+        result = fold.FoldConstants("merge", in_place_only=True).run(gm)
+        assert alive == [[0, 0, 0]] and result.matched == 1
+        storage = weights[0].untyped_storage()
+        assert all(w.untyped_storage().data_ptr() == storage.data_ptr() for w in weights)
+        assert [w.storage_offset() for w in weights] == [0, 24, 64]
+        assert all(torch.equal(w, v) for w, v in zip(weights, saved, strict=True))
+        assert torch.equal(gm(x), want)
+        size = storage.nbytes()
+        assert size == 10 * 8 * 4 and offload.release([weights[0]]) == size  # the model's
+    holder.restore()
+    assert torch.equal(gm(x), want)
+
+
 def test_the_passes_after_fp8_check_a_graph_whose_bf16_weights_left_already() -> None:
     """``fold_weights`` packs the FP8 weights right after the fp8 pass and moves each BF16
     weight out as its packed copy is stored: the passes after it run and verify without them,
@@ -302,12 +369,28 @@ def test_no_check_concatenates_the_merged_weights(monkeypatch) -> None:  # noqa:
     assert cats == []
 
 
-def test_a_warm_start_releases_the_weights_as_it_packs(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("through_host", [False, True])
+def test_a_warm_start_releases_the_weights_as_it_packs(tmp_path, monkeypatch, through_host  # noqa: ANN001
+                                                       ) -> None:
     """A warm start runs the recorded load programs with the same releases as the cold run:
     the BF16 weights are gone once the graph is restored, its end-to-end check (the captured
-    graph run first) passes, and the outputs are the cold module's, bit for bit."""
+    graph run first) passes, and the outputs are the cold module's, bit for bit. The merged
+    weights are packed as the cold run packed them, through host memory where it did."""
     from kopt.kb import KnowledgeBase, using
     from kopt.offload import HostCopies
+    from kopt.passes import fold
+
+    through: list[int] = []
+    if through_host:
+        monkeypatch.setattr(fold, "HOST_PACK_BYTES", 0)
+        real_out = offload.copied_out
+
+        def copied_out(tensors):  # noqa: ANN001, ANN202
+            hosts = real_out(tensors)
+            through.append(0 if hosts is None else len(hosts))
+            return hosts
+
+        monkeypatch.setattr(offload, "copied_out", copied_out)
 
     moves: list[int] = []
     real = HostCopies.move
@@ -332,5 +415,7 @@ def test_a_warm_start_releases_the_weights_as_it_packs(tmp_path) -> None:  # noq
             outs.append(w.run(opt))
             # all but the module's last sweep moved one weight at a time, as packed
             assert len([n for n in moves if n]) > 1 and _emptied(w.model)
+            assert (sum(through) > 0) == through_host  # the merged weights, copied out
+            through.clear()
         assert "warm start" in opt.report.warm and "check on seed 0 passed" in opt.report.warm
     assert torch.equal(outs[0], outs[1])

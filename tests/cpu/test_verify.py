@@ -3,6 +3,7 @@ user gets computes what the model computes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -200,6 +201,67 @@ def test_fp64_reference_of_an_fp8_gemm_upcasts_its_weight_in_blocks(monkeypatch)
     got = verify._scaled_mm64(a, b, sa, sb, bias)
     assert torch.allclose(got, want, rtol=1e-14, atol=1e-12)
     assert upcast.count(16 * 7) == 5 and max(upcast) <= 16 * 7 < b.numel()  # 40 = 5 x 7 + 5
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "mask", "row-mask", "gqa"])
+def test_fp64_attention_runs_a_block_of_query_rows_at_a_time(monkeypatch, case) -> None:  # noqa: ANN001
+    """The fp64 run's attention holds the scores of a block of query rows at a time (the math
+    path holds them whole: 3.2 GiB a tensor at W1), with the same values as the whole run:
+    causal, masked, and grouped-query attention included."""
+    import kopt.verify as verify
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 13, 8, generator=g, dtype=torch.float64)
+    kv_heads = 2 if case == "gqa" else 4
+    k = torch.randn(2, kv_heads, 11, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, kv_heads, 11, 8, generator=g, dtype=torch.float64)
+    kwargs: dict = {"scale": 0.3}
+    if case == "causal":
+        kwargs["is_causal"] = True
+    elif case == "mask":
+        kwargs["attn_mask"] = torch.randn(2, 1, 13, 11, generator=g, dtype=torch.float64)
+    elif case == "row-mask":  # broadcast over the query rows
+        kwargs["attn_mask"] = torch.rand(1, 1, 1, 11, generator=g) > 0.3
+    elif case == "gqa":
+        kwargs["enable_gqa"] = True
+    want = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **kwargs)
+    scores: list[int] = []
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+
+    class Spy:  # records the query rows of each call
+        def __call__(self, query, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN204
+            scores.append(query.shape[-2])
+            return sdpa(query, *args, **kw)
+
+    monkeypatch.setattr(verify, "SDPA_CHUNK_BYTES", 8 * 11 * 2 * 4 * 3)  # 3 query rows a block
+    monkeypatch.setattr(torch.ops.aten.scaled_dot_product_attention, "default", Spy())
+    got = verify._sdpa64(q, k, v, **kwargs)
+    assert scores == [3, 3, 3, 3, 1]
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_fp64_run_takes_the_blocked_attention(monkeypatch) -> None:  # noqa: ANN001
+    """The fp64 run of a captured graph computes its SDPA with the blocked function."""
+    import kopt.verify as verify
+
+    class Attention(nn.Module):
+        def forward(self, q, k, v):  # noqa: ANN001, ANN201
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(1, 2, 10, 4) for _ in range(3))
+    cap = capture_module(Attention(), (q, k, v))
+    calls: list[int] = []
+    real = verify._sdpa64
+
+    def spy(query, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(query.shape[-2])
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "_sdpa64", spy)
+    (got,) = run_fp64(cap.gm, [q, k, v])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True)
+    assert calls == [10] and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 def pytree_leaves(tree):  # noqa: ANN001, ANN201
