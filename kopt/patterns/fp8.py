@@ -54,8 +54,8 @@ def find_fp8_linears(config: FP8Config, large: bool | None = None):  # noqa: ANN
             nbytes = _nbytes(w)
             if large is not None and (nbytes > LARGE_BYTES) != large:
                 if not large:
-                    yield Rejection(NAME, node.name, "weight over 1 GiB: quantized after "
-                                    "fold_weights, by fp8_large")
+                    yield Rejection(NAME, node.name, f"weight over {LARGE_BYTES >> 20} MiB: "
+                                    "quantized after fold_weights, by fp8_large")
                 continue
             reason = _ineligible(x, w, bias, consts, config)
             if reason:
