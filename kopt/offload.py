@@ -96,10 +96,7 @@ def copied_out(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
 def put_back(tensors: list[torch.Tensor], hosts: list[torch.Tensor]) -> None:
     """The storages :func:`copied_out` freed, back on their device with their bytes."""
     for t, host in zip(tensors, hosts, strict=True):
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(host.numel())
-            _as_bytes(storage).copy_(host)
+        _refill(t.untyped_storage(), host)
 
 
 def released() -> set[int]:
@@ -144,6 +141,13 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole of ``storage``."""
     out = torch.empty(0, dtype=torch.uint8, device=storage.device)
     return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _refill(storage: torch.UntypedStorage, host: torch.Tensor) -> None:
+    """A storage emptied for host memory, back on its device with the bytes ``host`` holds."""
+    if storage.nbytes() == 0:
+        storage.resize_(host.numel())
+        _as_bytes(storage).copy_(host)
 
 
 # D2H copies go through two pinned buffers of this size into pageable host memory: pinning
@@ -265,15 +269,10 @@ class HostCopies:
             if entry is None:
                 continue
             _HOLDERS.pop(key, None)
-            storage, host = entry
-            if storage.nbytes() == 0:
-                storage.resize_(host.numel())
-                _as_bytes(storage).copy_(host)
+            _refill(*entry)
             back += 1
         return back
 
     def _bring_back(self) -> None:
         for storage, host in self._moved.values():
-            if storage.nbytes() == 0:
-                storage.resize_(host.numel())
-                _as_bytes(storage).copy_(host)
+            _refill(storage, host)

@@ -17,7 +17,6 @@ so the concatenation itself is never made.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -62,8 +61,7 @@ class LoadProgram:
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         in_place = {out[i] for i in self.packed_in_place}
         with torch.no_grad():
-            return _Streaming(gm, keep, (lambda n, v: pack_in_place(gm, n, v)) if pack else None,
-                              in_place).values()
+            return _Streaming(gm, keep, pack, in_place).values()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -116,8 +114,7 @@ class FoldConstants(Pass):
         released = offload.released()
         with torch.no_grad():
             streaming = _Streaming(load_gm, frozenset(t.untyped_storage()._cdata for t in keep),
-                                   (lambda n, v: pack_in_place(load_gm, n, v)) if export
-                                   else None)
+                                   pack=export)
             values = streaming.values()
         packed_early = {n.name for n in streaming.packed}
         rejected: dict[str, int] = {KEEP_PER_CALL: len(kept)} if kept else {}
@@ -207,12 +204,11 @@ class _Streaming(fx.Interpreter):
     outputs)."""
 
     def __init__(self, gm: fx.GraphModule, per_call: frozenset[int] | None = None,
-                 pack: Callable[[fx.Node, torch.Tensor], torch.Tensor | None] | None = None,
-                 pack_only: set[fx.Node] | None = None) -> None:
+                 pack: bool = False, pack_only: set[fx.Node] | None = None) -> None:
         _defer_rows(gm)
-        # applied to each output row-concatenation of weights (those in ``pack_only``, if
-        # given) as soon as it is made (:func:`pack_in_place`): the weights it copies go before
-        # the next one is made
+        # ``pack``: each output row-concatenation of weights (those in ``pack_only``, if given)
+        # packed in place as soon as it is made (:func:`pack_in_place`): the weights it copies
+        # go before the next one is made
         self.pack = pack
         self.pack_only = pack_only
         self.packed: list[fx.Node] = []  # the outputs ``pack`` packed
@@ -251,7 +247,7 @@ class _Streaming(fx.Interpreter):
         if n in self.rows:
             return None  # made row by row by its one user
         cat = n.args[0] if n.args and self.rows.get(n.args[0]) is n else None
-        packs = (n in self.outputs and self.pack is not None and _packs_in_place(n)
+        packs = (n in self.outputs and self.pack and _packs_in_place(n)
                  and (self.pack_only is None or n in self.pack_only))
         value = self._by_rows(n, cat) if cat is not None else None
         if value is None and packs:
@@ -259,7 +255,7 @@ class _Streaming(fx.Interpreter):
         if value is None:
             value = super().run_node(n)
         if packs:
-            packed = self.pack(n, value)  # its weights re-pointed now, their storage freed
+            packed = pack_in_place(self.module, n, value)  # its weights view it now
             if packed is not None:
                 value = packed
                 self.packed.append(n)
