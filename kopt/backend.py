@@ -16,6 +16,20 @@ Options (all optional):
   from its third call, where the graph can be captured (else it runs as compiled, and its
   report says why). The graphs of a process share one memory pool per device; outputs are
   copies, so a caller may keep them across calls.
+* ``keep_original``: False (the default) moves to host memory, as :func:`kopt.optimize` does,
+  the model's weights that no optimized graph reads any more (the BF16 weights FP8 packed at
+  load time), each as soon as it is packed; True keeps them on the device.
+
+The moved weights stay the model's parameters, with their shapes, and come back bit for bit for
+whatever needs them:
+
+* a graph dynamo compiles later (a recompile, a graph break's other graph, another block's
+  weights) gets them back while kopt captures and checks it, and keeps those it reads;
+* a module owning one that runs outside the compiled graphs (the model called uncompiled, a
+  frame dynamo gave up on) brings back every weight the backend moved, for good, with a
+  warning; the backend then moves none for the rest of the process;
+* :func:`original_weights` brings them back for a block, e.g. to change weights in place
+  (``load_state_dict``); the graphs re-pack what changed at their next call.
 
 A graph kopt cannot take (dynamic shapes, an unsupported op) is logged with the reason and given
 to the inner compiler unmodified, so compilation still succeeds. A graph dynamo reuses for several
@@ -25,8 +39,13 @@ module's weights (:class:`PerWeights`).
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Callable, Sequence
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +64,8 @@ from kopt.api import (
 from kopt.capture import capture_dynamo
 from kopt.cudagraphs import pool_bytes
 from kopt.errors import CaptureError, KoptError
-from kopt.memory import memory_held
+from kopt.memory import memory_held, tensors_read
+from kopt.offload import HostCopies, holder, releasing
 from kopt.passes import PassConfig
 from kopt.verify import VerifyOptions
 
@@ -73,14 +93,16 @@ class BackendOptions:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     reports: list[Report] | None = None
     cuda_graphs: CudaGraphs = "auto"
+    keep_original: bool = False
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> BackendOptions:
         options = dict(options or {})
-        unknown = set(options) - {"inner", "config", "verify", "reports", "cuda_graphs"}
+        unknown = set(options) - {"inner", "config", "verify", "reports", "cuda_graphs",
+                                  "keep_original"}
         if unknown:
             raise KoptError(f"unknown kopt backend option(s) {sorted(unknown)}; "
-                            "valid: inner, config, verify, reports, cuda_graphs")
+                            "valid: inner, config, verify, reports, cuda_graphs, keep_original")
         out = cls()
         if "inner" in options:
             if options["inner"] not in INNER:
@@ -101,6 +123,11 @@ class BackendOptions:
         elif verify is not None:
             out.verify = verify
         out.reports = options.get("reports")
+        if "keep_original" in options:
+            if not isinstance(options["keep_original"], bool):
+                raise KoptError("kopt backend option 'keep_original' must be a bool, got "
+                                f"{options['keep_original']!r}")
+            out.keep_original = options["keep_original"]
         if "cuda_graphs" in options:
             try:
                 out.cuda_graphs = _check_cuda_graphs(options["cuda_graphs"])
@@ -125,41 +152,162 @@ def kopt_backend(
     **_: Any,
 ) -> Callable[..., Any]:
     opts = BackendOptions.parse(options)
-    try:
-        captured, runtime_idx = capture_dynamo(gm, example_inputs)
-    except CaptureError as exc:
-        log.warning("kopt: graph left unoptimized: %s", exc)
-        return inner_compile(opts.inner, gm, example_inputs)
-    first = optimize_dynamo_graph(captured, runtime_idx, example_inputs, opts,
-                                  f"dynamo graph ({len(gm.graph.nodes)} nodes)")
-    if not first.static:
+    name = f"dynamo graph ({len(gm.graph.nodes)} nodes)"
+    first = _compile(gm, example_inputs, opts, name)
+    if not isinstance(first, Runner) or not first.static:
         return first
 
     def build(inputs: list[Any]) -> Runner:
-        again, idx = capture_dynamo(gm, inputs)  # the same graph captured before: cannot fail
-        return optimize_dynamo_graph(again, idx, inputs, opts,
-                                     f"dynamo graph ({len(gm.graph.nodes)} nodes), other weights")
+        # the same graph captured before, with other weights: cannot fail
+        runner = _compile(gm, inputs, opts, f"{name}, other weights")
+        assert isinstance(runner, Runner)
+        return runner
 
     return PerWeights(first, [i for i, _ in first.static], example_inputs, build)
 
 
+def _compile(gm: fx.GraphModule, inputs: list[Any], opts: BackendOptions,
+             name: str) -> Callable[..., Any]:
+    """One dynamo graph for the weights in ``inputs``: optimized by kopt (a :class:`Runner`),
+    or left to the inner compiler with the reason logged. Weights the backend moved for other
+    graphs are on the device while it is captured and checked; afterwards the weights this
+    graph reads stay there, and those its packing superseded move to host memory."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    with _on_device(tensors):
+        t0 = time.perf_counter()
+        try:
+            captured, runtime_idx = capture_dynamo(gm, inputs)
+        except CaptureError as exc:
+            log.warning("kopt: graph left unoptimized: %s", exc)
+            compiled: Callable[..., Any] = inner_compile(opts.inner, gm, inputs)
+            runner = None
+        else:
+            runner = optimize_dynamo_graph(captured, runtime_idx, inputs, opts, name,
+                                           time.perf_counter() - t0)
+            compiled = runner
+    _keep_on_device(tensors if runner is None else tensors_read([runner.spec.gm]))
+    if runner is not None:
+        runner.move_superseded()
+    return compiled
+
+
 def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs: list[Any],
-                          opts: BackendOptions, name: str) -> Runner:
+                          opts: BackendOptions, name: str,
+                          capture_seconds: float = 0.0) -> Runner:
     """kopt's passes on a captured dynamo graph, then the inner compiler: the runner of one
-    graph for the parameters in ``example_inputs``."""
-    spec = optimize_captured(captured, opts.config, opts.verify, None, name, 0.0)
+    graph for the parameters in ``example_inputs``. Unless ``opts.keep_original``, each weight
+    FP8 packs leaves for host memory as soon as it is packed (:mod:`kopt.offload`)."""
+    runtime = set(runtime_idx)
+    static_idx = [i for i in range(len(example_inputs)) if i not in runtime]
+    host = None if opts.keep_original or _MOVED.restored else HostCopies()
+    # a weight another graph moved stays that graph's to move (it is back for this block)
+    owned = [example_inputs[i] for i in static_idx if isinstance(example_inputs[i], torch.Tensor)
+             and holder(example_inputs[i]) is None]
+    try:
+        with releasing(host, owned):
+            spec = optimize_captured(captured, opts.config, opts.verify, None, name,
+                                     capture_seconds)
+    except BaseException:
+        if host is not None:
+            host.restore()  # the weights as they were
+        raise
     if opts.reports is not None:
         opts.reports.append(spec.report)
     log.info("%s", spec.report)
     runtime_examples = [example_inputs[i] for i in runtime_idx]
     compiled = inner_compile(opts.inner, spec.gm, runtime_examples)
-    static_idx = [i for i in range(len(example_inputs)) if i not in set(runtime_idx)]
     # run eagerly, the graph module itself is the body: its hoisted regions stay outside a
     # CUDA graph
     body = spec.gm if opts.inner == "eager" else compiled
-    runner = Runner(body, spec, runtime_idx, static_idx, example_inputs, opts.cuda_graphs)
+    runner = Runner(body, spec, runtime_idx, static_idx, example_inputs, opts.cuda_graphs, host)
     runner.refresh_report()
     return runner
+
+
+class _Moved:
+    """What the backend moved to host memory in this process: the holder of each optimized
+    graph, and the forward pre-hooks on the modules owning a moved weight."""
+
+    def __init__(self) -> None:
+        self.hosts: weakref.WeakSet[HostCopies] = weakref.WeakSet()
+        self.hooks: weakref.WeakKeyDictionary[torch.nn.Module, Any] = \
+            weakref.WeakKeyDictionary()
+        self.restored = False  # a module ran with moved weights: the backend moves no more
+
+    def watch(self, keys: set[int]) -> None:
+        """A forward pre-hook on each module owning one of the storages ``keys`` (not graph
+        modules): dynamo does not guard on hooks added after it compiled
+        (``skip_nnmodule_hook_guards``), so only calls outside the compiled graphs run it.
+        Modules are found by a scan of the objects the garbage collector tracks: a dynamo
+        graph knows its weights, not their modules."""
+        if not keys:
+            return
+        for obj in gc.get_objects():
+            # (type(): isinstance on a dead weakref proxy raises; graph modules are kopt's own
+            # graphs and load programs, which run the moved weights only inside on_device())
+            kind = type(obj)
+            if issubclass(kind, torch.nn.Module) and not issubclass(kind, fx.GraphModule) \
+                    and obj not in self.hooks and any(
+                    t is not None and t.untyped_storage()._cdata in keys
+                    for t in (*obj._parameters.values(), *obj._buffers.values())):
+                self.hooks[obj] = obj.register_forward_pre_hook(_called)
+
+    def restore(self) -> None:
+        """Every weight the backend moved back on its device for good."""
+        for host in list(self.hosts):
+            host.restore()
+        for hook in list(self.hooks.values()):
+            hook.remove()
+        self.hooks.clear()
+        self.restored = True
+
+
+_MOVED = _Moved()
+
+
+def _called(module: torch.nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling() or not any(h.moved for h in list(_MOVED.hosts)):
+        return
+    nbytes = sum(h.nbytes for h in list(_MOVED.hosts))
+    warnings.warn(f"kopt: {type(module).__name__} ran outside the compiled graphs with weights "
+                  f"the kopt backend had moved to host memory ({nbytes / 2**30:.2f} GiB); "
+                  "every weight it moved is back on the device for good (options="
+                  "{'keep_original': True} keeps them there from the start)", stacklevel=2)
+    _MOVED.restore()
+
+
+def _holders(tensors: Sequence[torch.Tensor]) -> list[HostCopies]:
+    found = (holder(t) for t in tensors)
+    return list({id(h): h for h in found if h is not None}.values())
+
+
+@contextmanager
+def _on_device(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The moved storages of ``tensors`` (and the rest of their holders') back on the device
+    for the block."""
+    with ExitStack() as stack:
+        for host in _holders(tensors):
+            stack.enter_context(host.on_device())
+        yield
+
+
+def _keep_on_device(tensors: Sequence[torch.Tensor]) -> None:
+    """Storages of ``tensors`` that a graph reads: back on the device, their holders forget
+    them."""
+    for t in tensors:
+        if (host := holder(t)) is not None:
+            host.give_back([t.untyped_storage()._cdata])
+
+
+@contextmanager
+def original_weights() -> Iterator[None]:
+    """Every weight the kopt backend moved to host memory back on its device for the block's
+    duration: to run the model uncompiled, or to change weights in place (``load_state_dict``;
+    the graphs re-pack what changed at their next call). They move again when it ends."""
+    with ExitStack() as stack:
+        for host in list(_MOVED.hosts):
+            stack.enter_context(host.on_device())
+        yield
 
 
 # The CUDA-graph memory pool of each device, shared by every graph the backend captures in this
@@ -181,12 +329,32 @@ class Runner:
 
     def __init__(self, compiled: Callable[..., Any], spec: _Specialization,
                  runtime_idx: list[int], static_idx: list[int], examples: list[Any],
-                 cuda_graphs: CudaGraphs = "auto") -> None:
+                 cuda_graphs: CudaGraphs = "auto", host: HostCopies | None = None) -> None:
         self.compiled = compiled
         self.spec = spec
         self.runtime_idx = runtime_idx
         self.static = [(i, examples[i]) for i in static_idx]
         self.cuda_graphs = cuda_graphs
+        self.host = host  # the weights this graph's packing superseded, in host memory
+        if host is not None:
+            _MOVED.hosts.add(host)
+            # they come back when the graph goes (torch._dynamo.reset())
+            weakref.finalize(self, host.restore).atexit = False
+
+    def move_superseded(self) -> None:
+        """Move to host memory the weights this graph no longer reads that its load programs
+        packed (those FP8 packing did not release at once), and watch their modules."""
+        if self.host is None or _MOVED.restored:
+            return
+        read = {t.untyped_storage()._cdata for t in tensors_read([self.spec.gm])}
+        static = {t.untyped_storage()._cdata for _, t in self.static
+                  if isinstance(t, torch.Tensor)}
+        superseded = [t for t, _ in self.spec.sources
+                      if t.untyped_storage()._cdata in static - read
+                      and holder(t) in (None, self.host)]
+        if self.host.move(superseded) or self.host.moved:
+            self.refresh_report()
+        _MOVED.watch(self.host.keys)
 
     def __call__(self, *args: Any) -> Any:
         for i, t in self.static:
@@ -197,7 +365,9 @@ class Runner:
                     "(torch._dynamo.reset())."
                 )
         spec = self.spec
-        spec.refresh_if_stale()
+        if spec.stale():
+            with _on_device([t for t, _ in spec.sources]):  # the load programs read them
+                spec.refresh_if_stale()
         flat = [args[i] for i in self.runtime_idx]
         off = spec.graphs_off
         if not graphs_allowed(spec, self.compiled, flat, self.cuda_graphs):
@@ -220,7 +390,7 @@ class Runner:
         spec = self.spec
         pool = None if spec.pool_mib is None else int(spec.pool_mib * 2**20)
         held = memory_held([t for _, t in self.static if isinstance(t, torch.Tensor)],
-                           [spec.gm], pool)
+                           [spec.gm], pool, host=self.host.nbytes if self.host else 0)
         spec.report.runtime[:] = [*spec.runtime_lines(self.cuda_graphs), held.describe()]
 
 

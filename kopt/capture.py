@@ -34,9 +34,11 @@ from kopt.repeated import NotRepeatable, Repeated, instantiate, trace_with_stand
 log = logging.getLogger("kopt")
 
 # gm.meta key: how the graph was captured. Passes that touch the model's own tensors (packing
-# merged weights in place) only do so for "export": under "dynamo" the parameters are inputs
-# that dynamo has traced with their current storage and guards on.
+# merged weights in place) do so for the captures whose attributes are the model's parameter
+# objects (:data:`MODEL_SOURCES`): export's, and dynamo's, whose static inputs are (dynamo's
+# guards check their sizes and strides, which the views of a packed buffer keep).
 SOURCE_KEY = "kopt_capture_source"
+MODEL_SOURCES = ("export", "dynamo")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _KOPT_DIR = os.path.dirname(__file__)

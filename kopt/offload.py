@@ -137,6 +137,11 @@ def bring_back(tensors: Iterable[torch.Tensor]) -> int:
     return len(holders)
 
 
+def holder(tensor: torch.Tensor) -> HostCopies | None:
+    """The holder of ``tensor``'s storage if it was moved (and not given back), else None."""
+    return _HOLDERS.get(tensor.untyped_storage()._cdata)
+
+
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole of ``storage``."""
     out = torch.empty(0, dtype=torch.uint8, device=storage.device)
@@ -245,6 +250,11 @@ class HostCopies:
                 for key, (storage, _) in list(self._moved.items()):
                     self._moved[key] = (storage, _to_host(_as_bytes(storage)))
                     storage.resize_(0)
+
+    @property
+    def keys(self) -> set[int]:
+        """The storages (by identity) this holder took, on the device now or not."""
+        return set(self._moved)
 
     @property
     def moved(self) -> bool:

@@ -13,6 +13,11 @@ traced), ``--split`` the whole-model export's steps apart (export, decomposition
 ``--profile N`` adds cProfile's N most expensive calls (cumulative) of the optimization.
 ``--kb PATH`` optimizes inside that knowledge base's scope: the first process records the
 optimized graph, a second one with the same arguments restores it (``kopt.warm``).
+``--backend INNER`` times ``torch.compile(model, backend="kopt")`` instead, with that inner
+compiler (``inductor``, the default's, or ``eager``), to its first call's return: dynamo's
+trace, kopt's capture and passes, the inner compiler and the call, with the peak GPU memory
+and what the compiled model holds after the call; ``--live N`` then lists the N largest CUDA
+storages alive besides the model's weights and the graphs' constants, with what refers to them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ def main() -> None:
                    help="also time the capture with every repeated block traced")
     p.add_argument("--kb", metavar="PATH",
                    help="optimize in this knowledge base's scope (a second run warm-starts)")
+    p.add_argument("--backend", choices=("inductor", "eager"), metavar="INNER",
+                   help="time torch.compile(backend='kopt') with this inner compiler")
+    p.add_argument("--live", type=int, default=0, metavar="N",
+                   help="with --backend: list the N largest CUDA storages held besides the "
+                        "weights and the graphs' constants")
     args = p.parse_args()
     s0 = time.perf_counter()
     w = build(args.model, device=args.device, dtype=torch.bfloat16)
@@ -72,17 +82,20 @@ def main() -> None:
         print(f"{w.name}: torch.export.export {s1 - s0:.1f} s, run_decompositions {s2 - s1:.1f} "
               f"s, ExportedProgram.module() {s3 - s2:.1f} s")
         del ep
-    t0 = time.perf_counter()
-    cap = capture_module(w.model, w.args, w.kwargs)
-    t1 = time.perf_counter()
     config = PassConfig(fuse_allreduce_norm=False)
     if args.fp8:
         config = config.replace(fp8=FP8Config())
+    verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))))
+    if args.backend:
+        compiled_first_call(w, args.backend, config, verify, weights, args.live)
+        return
+    t0 = time.perf_counter()
+    cap = capture_module(w.model, w.args, w.kwargs)
+    t1 = time.perf_counter()
     prof = cProfile.Profile() if args.profile else None
     t2 = time.perf_counter()
     if prof is not None:
         prof.enable()
-    verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))))
     # as kopt.optimize: the BF16 weights FP8 packs leave for host memory as they are packed
     host = HostCopies()
     with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext(), \
@@ -115,6 +128,92 @@ def main() -> None:
               f"({opt.memory().describe()})")
     if prof is not None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile)
+
+
+def compiled_first_call(w: object, inner: str, config: PassConfig, verify: VerifyOptions,
+                        weights: int, live: int = 0) -> None:
+    """``torch.compile(backend="kopt")`` to its first call's return, with kopt's part (capture
+    and passes, from the reports) and the inner compiler's timed apart."""
+    from kopt import backend
+
+    spent = {"inner_compile": 0.0, "optimize_captured": 0.0}
+
+    def timed(name: str) -> object:
+        real = getattr(backend, name)
+
+        def run(*a: object, **k: object) -> object:
+            s0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - s0
+                if torch.cuda.is_initialized():
+                    print(f"{w.name}: after {name}: GPU memory allocated "
+                          f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, peak so far "
+                          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+        return run
+
+    for name in spent:
+        setattr(backend, name, timed(name))
+    reports: list = []
+    compiled = torch.compile(w.model, backend="kopt", dynamic=False, options={
+        "inner": inner, "config": config, "verify": verify, "reports": reports})
+    cuda = torch.device(w.args[0].device if w.args else "cpu").type == "cuda" or any(
+        p.is_cuda for p in w.model.parameters())
+    s0 = time.perf_counter()
+    with torch.no_grad():
+        compiled(*w.args, **w.kwargs)
+    if cuda:
+        torch.cuda.synchronize()
+    first = time.perf_counter() - s0
+    capture = sum(r.capture_seconds for r in reports)
+    passes, inner_s = spent["optimize_captured"], spent["inner_compile"]
+    print(f"{w.name}: torch.compile(backend='kopt', inner={inner}) first call {first:.1f} s: "
+          f"{len(reports)} graphs, kopt's capture {capture:.1f} s, passes with verification "
+          f"{passes:.1f} s, the inner compiler {inner_s:.1f} s, the rest (dynamo, the call) "
+          f"{first - capture - passes - inner_s:.1f} s; "
+          f"{sum(r.applied for r in reports)} rewrites, verification "
+          f"{'passed' if all(r.verified for r in reports) else 'FAILED'}", flush=True)
+    for r in reports:
+        print("\n".join(f"{w.name}:   {line}" for line in r.runtime))
+    if cuda:
+        s0 = time.perf_counter()
+        with torch.no_grad():
+            compiled(*w.args, **w.kwargs)
+        torch.cuda.synchronize()
+        print(f"{w.name}: second call {time.perf_counter() - s0:.2f} s; peak GPU memory "
+              f"allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, held after the "
+              f"calls {torch.cuda.memory_allocated() / 2**30:.2f} GiB, the model's weights "
+              f"{weights / 2**30:.2f} GiB", flush=True)
+        live_storages(w.model, reports, live)
+
+
+def live_storages(model: torch.nn.Module, reports: list, top: int) -> None:
+    """The ``top`` largest CUDA storages alive that are neither the model's weights nor read by
+    the optimized graphs, with what refers to them: what else the compiled model holds."""
+    import gc
+
+    from kopt.backend import Runner
+    from kopt.memory import tensors_read
+
+    if not top:
+        return
+    gc.collect()
+    objects = gc.get_objects()
+    graphs = [o.spec.gm for o in objects if type(o) is Runner]
+    known = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers(),
+                                                   *tensors_read(graphs))}
+    found: dict[int, tuple[int, torch.Tensor]] = {}
+    for o in objects:
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.is_cuda:
+            s = o.untyped_storage()
+            if s.nbytes() and s._cdata not in known:
+                found.setdefault(s._cdata, (s.nbytes(), o))
+    print(f"live CUDA storages besides the weights and the graphs' constants: {len(found)}, "
+          f"{sum(n for n, _ in found.values()) / 2**30:.2f} GiB (tracked by gc)")
+    for n, t in sorted(found.values(), key=lambda e: -e[0])[:top]:
+        refs = [type(r).__name__ for r in gc.get_referrers(t) if r is not objects][:4]
+        print(f"  {n / 2**20:9.1f} MiB {tuple(t.shape)} {t.dtype} referred by {refs}")
 
 
 if __name__ == "__main__":

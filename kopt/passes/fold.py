@@ -24,7 +24,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from kopt import offload
-from kopt.capture import SOURCE_KEY
+from kopt.capture import MODEL_SOURCES, SOURCE_KEY
 from kopt.graph import add_constant, attr, constant_nodes
 from kopt.graph.splice import prune_unused_attributes
 from kopt.passes.base import Pass, PassResult, count_nodes
@@ -92,7 +92,7 @@ class FoldConstants(Pass):
             and any(u not in consts for u in n.users)
             and (sites is None or n.name in sites)
             and (not self.in_place_only or (_packs_in_place(n) and _sources(gm, n) is not None
-                                            and gm.meta.get(SOURCE_KEY) == "export"))
+                                            and gm.meta.get(SOURCE_KEY) in MODEL_SOURCES))
         ]
         if not frontier:
             return PassResult(self.name, 0, {KEEP_PER_CALL: len(kept)} if kept else {}, before,
@@ -106,15 +106,15 @@ class FoldConstants(Pass):
         storages = {attr(gm, t).untyped_storage()._cdata for t in source_bytes}
         # storages read per call whatever is folded, or by a concatenation about to become
         # the buffer its parameters view (pack_in_place): never released
-        export = gm.meta.get(SOURCE_KEY) == "export"
+        models = gm.meta.get(SOURCE_KEY) in MODEL_SOURCES  # its attributes: the parameters
         keep = {attr(gm, n.target) for n in gm.graph.nodes
                 if n.op == "get_attr" and any(u not in needed for u in n.users)}
-        keep.update(attr(gm, a.target) for n in frontier if export and _packs_in_place(n)
+        keep.update(attr(gm, a.target) for n in frontier if models and _packs_in_place(n)
                     for a in n.args[0])
         released = offload.released()
         with torch.no_grad():
             streaming = _Streaming(load_gm, frozenset(t.untyped_storage()._cdata for t in keep),
-                                   pack=export)
+                                   pack=models)
             values = streaming.values()
         packed_early = {n.name for n in streaming.packed}
         rejected: dict[str, int] = {KEEP_PER_CALL: len(kept)} if kept else {}
@@ -131,7 +131,7 @@ class FoldConstants(Pass):
             early = node.name in packed_early
             views = not early and value.untyped_storage()._cdata in storages
             packed = value if early else (
-                pack_in_place(gm, node, value) if not views and export else None)
+                pack_in_place(gm, node, value) if not views and models else None)
             value = value if packed is None else packed
             const = add_constant(gm, value, hint=node.name)
             node.replace_all_uses_with(const)
@@ -349,10 +349,10 @@ def _dim(node: fx.Node) -> int:
 
 class PackedAfter(Pass):
     """``inner``, then the row-concatenations of weights it made packed in place (captures
-    through ``torch.export``: :func:`pack_in_place`), before the pass is checked. The
-    concatenation is what ``fold_constants`` would pack later anyway; packed now, the checks
-    of this pass and of those after it read one buffer instead of concatenating the weights
-    per call. The graph after ``fold_constants`` is the same."""
+    whose attributes are the model's parameters: :func:`pack_in_place`), before the pass is
+    checked. The concatenation is what ``fold_constants`` would pack later anyway; packed
+    now, the checks of this pass and of those after it read one buffer instead of
+    concatenating the weights per call. The graph after ``fold_constants`` is the same."""
 
     def __init__(self, inner: Pass) -> None:
         self.inner = inner

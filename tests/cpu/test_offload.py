@@ -10,6 +10,7 @@ import torch
 
 import kopt
 from kopt import offload
+from kopt.memory import tensors_read
 from kopt.models import build
 
 FP8 = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
@@ -70,6 +71,24 @@ def test_a_new_input_signature_and_an_in_place_change_see_the_weights() -> None:
         want = w.run(kopt.optimize(model, w.args, w.kwargs, FP8, keep_original=True))
     assert torch.equal(w.run(opt), want)
     assert set(moved) <= set(_emptied(w.model))  # optimizing inside the block kept the move
+
+
+def test_a_new_signature_reading_a_weight_the_first_superseded_keeps_it() -> None:
+    """A graph for a new input signature that reads BF16 weights the first one's FP8 packing
+    superseded (here: optimized without FP8) keeps them on the device, where it reads them."""
+    w = build("qwen-image-tiny")
+    other = build("qwen-image-tiny", text_tokens=5)  # the same weights (seed), another signature
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8)
+    assert _emptied(w.model)
+    with opt.original_weights() as model:
+        want = other.run(model)
+    opt.config = kopt.PassConfig()  # the next signature's graph reads the BF16 weights
+    got = other.run(opt)
+    read = {t.untyped_storage()._cdata for t in tensors_read(opt.graph_modules)}
+    assert all(offload.holder(p) is None for p in w.model.parameters()
+               if p.untyped_storage()._cdata in read)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert torch.equal(other.run(opt), got)
 
 
 def test_the_original_model_called_or_optimized_again_gets_its_weights_back() -> None:
