@@ -233,24 +233,41 @@ class _Moved:
         self.hooks: weakref.WeakKeyDictionary[torch.nn.Module, Any] = \
             weakref.WeakKeyDictionary()
         self.restored = False  # a module ran with moved weights: the backend moves no more
+        # id of a parameter or buffer -> (it, the modules owning it) at the last scan
+        self.owners: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
 
-    def watch(self, keys: set[int]) -> None:
-        """A forward pre-hook on each module owning one of the storages ``keys`` (not graph
-        modules): dynamo does not guard on hooks added after it compiled
-        (``skip_nnmodule_hook_guards``), so only calls outside the compiled graphs run it.
-        Modules are found by a scan of the objects the garbage collector tracks: a dynamo
-        graph knows its weights, not their modules."""
-        if not keys:
-            return
+    def watch(self, tensors: Sequence[torch.Tensor]) -> None:
+        """A forward pre-hook on each module owning one of ``tensors`` (not graph modules):
+        dynamo does not guard on hooks added after it compiled (``skip_nnmodule_hook_guards``),
+        so only calls outside the compiled graphs run it."""
+        if not all(self._known(t) for t in tensors):
+            self._scan(tensors)
+        for t in tensors:
+            for ref in self.owners[id(t)][1]:
+                module = ref()
+                if module is not None and module not in self.hooks:
+                    self.hooks[module] = module.register_forward_pre_hook(_called)
+
+    def _known(self, t: torch.Tensor) -> bool:
+        entry = self.owners.get(id(t))
+        return entry is not None and entry[0]() is t  # (an id may be reused once freed)
+
+    def _scan(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The modules owning each parameter and buffer, by a scan of the objects the garbage
+        collector tracks (a dynamo graph is given its weights, not their modules): once for a
+        model's graphs, whose later graphs (other blocks' weights) find theirs in it."""
+        owners: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {
+            id(t): (weakref.ref(t), []) for t in tensors}  # owned by no module: found so
         for obj in gc.get_objects():
             # (type(): isinstance on a dead weakref proxy raises; graph modules are kopt's own
             # graphs and load programs, which run the moved weights only inside on_device())
             kind = type(obj)
-            if issubclass(kind, torch.nn.Module) and not issubclass(kind, fx.GraphModule) \
-                    and obj not in self.hooks and any(
-                    t is not None and t.untyped_storage()._cdata in keys
-                    for t in (*obj._parameters.values(), *obj._buffers.values())):
-                self.hooks[obj] = obj.register_forward_pre_hook(_called)
+            if issubclass(kind, torch.nn.Module) and not issubclass(kind, fx.GraphModule):
+                for t in (*obj._parameters.values(), *obj._buffers.values()):
+                    if t is not None:
+                        owners.setdefault(id(t), (weakref.ref(t), []))[1].append(
+                            weakref.ref(obj))
+        self.owners = owners
 
     def restore(self) -> None:
         """Every weight the backend moved back on its device for good."""
@@ -354,7 +371,9 @@ class Runner:
                       and holder(t) in (None, self.host)]
         if self.host.move(superseded) or self.host.moved:
             self.refresh_report()
-        _MOVED.watch(self.host.keys)
+        moved = self.host.keys
+        _MOVED.watch([t for _, t in self.static if isinstance(t, torch.Tensor)
+                      and t.untyped_storage()._cdata in moved])
 
     def __call__(self, *args: Any) -> Any:
         for i, t in self.static:

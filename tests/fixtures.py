@@ -23,3 +23,30 @@ class QKV(nn.Module):
         q, k, v = self.q(h), self.k(h), self.v(h)
         mixed = v * q.sum(-1, keepdim=True) + k.mean(-1, keepdim=True)
         return self.out(mixed)
+
+
+class BreakingBlock(nn.Module):
+    """A transformer-like block with a graph break inside: dynamo compiles its ``forward`` once
+    and calls that graph for every block, each with its own weights."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.qkv, self.out = QKV(dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.qkv(x)
+        torch._dynamo.graph_break()
+        return x + self.out(torch.relu(y))
+
+
+class BlockStack(nn.Module):
+    """``n`` :class:`BreakingBlock` s in a ``ModuleList``, one after another."""
+
+    def __init__(self, dim: int, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(BreakingBlock(dim) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x

@@ -17,7 +17,7 @@ from kopt.backend import BackendOptions
 from kopt.capture import capture_module, flatten_inputs
 from kopt.models import main_output
 from kopt.verify import RTOL_FLOOR, relative_error, run_fp64
-from tests.fixtures import QKV
+from tests.fixtures import QKV, BlockStack
 
 
 def test_backend_is_found_through_the_entry_point_without_import() -> None:
@@ -87,27 +87,7 @@ def test_graph_break_inside_repeated_blocks_optimizes_each_blocks_weights() -> N
     second call reuses them)."""
     torch._dynamo.reset()
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qkv, self.out = QKV(16), nn.Linear(16, 16)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.qkv(x)
-            torch._dynamo.graph_break()
-            return x + self.out(torch.relu(y))
-
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(3))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for b in self.blocks:
-                x = b(x)
-            return x
-
-    model = Stack().eval()
+    model = BlockStack(16).eval()
     reports: list = []
     f = torch.compile(model, backend="kopt", options={"inner": "eager", "reports": reports})
     x = torch.randn(3, 16)

@@ -151,3 +151,29 @@ def test_merged_weights_are_packed_in_place_and_leave_once_fp8_packed(monkeypatc
     merged = max(p.numel() * p.element_size() for p in w.model.parameters()) * 2
     # (before: the merged modulation weight, a copy beside the parameters, 416 KiB)
     assert max(stray.values(), default=0) < merged
+
+
+def test_each_blocks_graph_finds_its_modules_in_one_scan(monkeypatch) -> None:  # noqa: ANN001
+    """A graph break inside repeated blocks: one graph per block's weights, each moving its
+    own; the modules owning them are found by one scan of the process's objects, not one per
+    block, and a block called on its own still gets every weight back."""
+    from tests.fixtures import BlockStack
+
+    scans: list[int] = []
+    real = backend._Moved._scan
+    monkeypatch.setattr(backend._Moved, "_scan",
+                        lambda self, ts: (scans.append(len(ts)), real(self, ts))[1])
+    model = BlockStack(32).eval()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        want = model(x)
+        reports: list = []
+        got = _compiled(model, reports)(x)
+    assert len(reports) >= 3 and all(r.verified for r in reports)
+    assert (got - want).abs().max() <= 0.1 * want.abs().max()
+    assert _emptied(model) and len(scans) == 1
+    with pytest.warns(UserWarning, match="ran outside the compiled graphs"), torch.no_grad():
+        assert torch.equal(model.blocks[2](x), model.blocks[2](x))
+    assert _emptied(model) == []
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
