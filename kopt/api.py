@@ -498,8 +498,8 @@ class OptimizedModule:
         read = {t.untyped_storage()._cdata for t in tensors_read(self._graphs())}
         owned = {t.untyped_storage()._cdata for t in (*self.original.parameters(),
                                                       *self.original.buffers())}
-        # a new signature's graph reading a weight the first one superseded (a rewrite of its
-        # reverted there) keeps it on the device
+        # a new signature's graph that reads a weight an earlier one superseded (a rewrite
+        # reverted there, another config) keeps it on the device
         self._host.give_back(read & self._host.keys)
         superseded = [t for spec in self._specs.values() for t, _ in spec.sources
                       if t.untyped_storage()._cdata in owned - read]

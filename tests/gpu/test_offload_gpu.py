@@ -55,9 +55,9 @@ def test_replaced_weights_leave_the_gpu_and_come_back_bit_for_bit(monkeypatch) -
 
 def test_the_backend_moves_the_packed_weights_off_the_gpu(monkeypatch) -> None:  # noqa: ANN001
     """``torch.compile(backend="kopt")`` moves the BF16 weights FP8 packed, as
-    ``kopt.optimize`` does: the same outputs bit for bit as with ``keep_original=True``, no
-    recompile on the moved (or in-place packed) parameters, CUDA graphs replayed, and the model
-    run uncompiled gets its weights back."""
+    ``kopt.optimize`` does: the same outputs bit for bit as with ``keep_original=True`` over
+    three calls (the third captures the CUDA graph where it can), no recompile on the moved (or
+    in-place packed) parameters, and the model run uncompiled gets its weights back."""
     from kopt import backend, offload
 
     monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny model's weights move too
