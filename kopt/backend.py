@@ -31,6 +31,9 @@ whatever needs them:
 * :func:`original_weights` brings them back for a block, e.g. to change weights in place
   (``load_state_dict``); the graphs re-pack what changed at their next call.
 
+Dynamo inlines the model's modules into one graph; the capture finds the repeated blocks in it
+again (:func:`kopt.repeated.outline_dynamo_blocks`) and traces each kind once.
+
 A graph kopt cannot take (dynamic shapes, an unsupported op) is logged with the reason and given
 to the inner compiler unmodified, so compilation still succeeds. A graph dynamo reuses for several
 modules (a repeated block's ``forward`` after a graph break inside it) is optimized once per

@@ -29,7 +29,13 @@ from torch.utils import _pytree as pytree
 
 from kopt.collect import collector_skips_what_lives_already
 from kopt.errors import CaptureError
-from kopt.repeated import NotRepeatable, Repeated, instantiate, trace_with_stand_ins
+from kopt.repeated import (
+    NotRepeatable,
+    Repeated,
+    instantiate,
+    outline_dynamo_blocks,
+    trace_with_stand_ins,
+)
 
 log = logging.getLogger("kopt")
 
@@ -198,7 +204,11 @@ def capture_dynamo(
     for name, mod in gm.named_children():
         root.add_module(name, mod)
     lifted = fx.GraphModule(root, graph)
-    captured = capture_module(lifted, tuple(runtime_examples))
+    outline_dynamo_blocks(lifted)  # so that the capture traces each repeated block once
+    # outside dynamo's tracing context: export would adopt dynamo's fake mode, which refuses
+    # the real weights a repeated block's stand-in runs on
+    with torch._guards.tracing(None):
+        captured = capture_module(lifted, tuple(runtime_examples))
     captured.source = captured.gm.meta[SOURCE_KEY] = "dynamo"
     return captured, runtime
 

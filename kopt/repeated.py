@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -416,3 +417,169 @@ def _has(mod: torch.nn.Module, target: str) -> bool:
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# -- dynamo graphs -----------------------------------------------------------------------------
+# a list child in dynamo's nn_module_stack paths: "L['self'].transformer_blocks.3"
+_LIST_CHILD = re.compile(r"^(.*)\.(\d+)$")
+# one module name of such a path: ".name" or "['name']" (dynamo writes "__dict__['_modules']")
+_NAME = re.compile(r"\.([A-Za-z_]\w*)|\['([^']+)'\]")
+_PLUMBING = frozenset({"__dict__", "_modules"})
+
+
+class _Region(torch.nn.Module):
+    """One block's nodes of a dynamo graph as a module of its own: its weights are its
+    parameters (``w0``, ``w1``, ... in order of first use), its ``forward`` the nodes' code,
+    shared by every region whose code is the same (a class per code)."""
+
+
+_REGION_CLASSES: dict[str, type[_Region]] = {}  # code -> class (a class compares by identity)
+
+
+def outline_dynamo_blocks(gm: fx.GraphModule) -> int:
+    """Move each repeated block's nodes of a dynamo graph (whose modules dynamo inlined) into a
+    module of its own, in a ``ModuleList`` per block list, so that :func:`trace_with_stand_ins`
+    finds them as it finds a model's blocks; returns the blocks outlined.
+
+    A block is the run of nodes whose ``nn_module_stack`` names one child of a list (its
+    outermost such entry); blocks whose runs are split, that call modules, or whose code
+    differs from their siblings' stay inline (a list keeps only blocks of one code). The
+    weights a block alone reads move into it; everything else it reads becomes an argument,
+    and what later nodes read of it its outputs. ``gm`` computes what it computed: its
+    graph calls the blocks where their nodes were."""
+    runs: dict[tuple[str, int], list[fx.Node]] = {}
+    split: set[str] = set()
+    last: tuple[str, int] | None = None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        key = _list_child(node)
+        if key is not None and key != last and key in runs:
+            split.add(key[0])  # the block's nodes are not one run
+        if key is not None:
+            runs.setdefault(key, []).append(node)
+        last = key
+    lists: dict[str, list[tuple[int, list[fx.Node]]]] = {}
+    for (path, index), nodes in runs.items():
+        if path not in split and all(n.op in ("call_function", "call_method") for n in nodes):
+            lists.setdefault(path, []).append((index, nodes))
+    chosen = []  # planned in full before the graph changes
+    for path, blocks in lists.items():
+        plans = [_plan(gm, nodes) for _, nodes in sorted(blocks, key=lambda b: b[0])]
+        by_code: dict[str, list[tuple]] = {}
+        for plan in plans:
+            by_code.setdefault(plan[0].python_code("self").src, []).append(plan)
+        code, same = max(by_code.items(), key=lambda kv: len(kv[1]))
+        if len(same) >= 2:
+            # the model's own list path where every block is here, in order
+            every = len(same) == len(plans) and sorted(i for i, _ in blocks) == \
+                list(range(len(plans)))
+            base = "_".join(_module_names(path)) or "blocks"
+            chosen.append((base if every else f"{base}_repeated", _region_class(code, same[0][0]),
+                           same))
+    outlined = 0
+    moved: dict[fx.Node, fx.Node] = {}  # an outlined block's output -> the getitem reading it
+    for base, cls, same in chosen:
+        name = _free_name(gm, base)
+        container = torch.nn.ModuleList()
+        gm.add_module(name, container)
+        for _graph, inputs, weights, outputs, nodes in same:
+            region = cls()
+            for j, w in enumerate(weights):
+                value = attr(gm, w.target)
+                if isinstance(value, torch.nn.Parameter):
+                    region.register_parameter(f"w{j}", value)
+                else:
+                    region.register_buffer(f"w{j}", value)
+            container.append(region)
+            _replace(gm, f"{name}.{len(container) - 1}", nodes,
+                     [moved.get(x, x) for x in inputs], outputs, moved)
+            outlined += 1
+    if outlined:
+        for node in list(gm.graph.nodes):
+            if node.op == "get_attr" and not node.users:
+                target = node.target
+                gm.graph.erase_node(node)
+                if "." not in target and hasattr(gm, target):
+                    delattr(gm, target)
+        gm.recompile()
+    return outlined
+
+
+def _module_names(path: str) -> list[str]:
+    """``L['self'].__dict__['_modules']['transformer_blocks']`` -> ``["transformer_blocks"]``:
+    the module names below dynamo's root."""
+    names = [a or b for a, b in _NAME.findall(path)]
+    return [n for n in names[1:] if n not in _PLUMBING and n.isidentifier()]
+
+
+def _list_child(node: fx.Node) -> tuple[str, int] | None:
+    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():  # outermost first
+        m = _LIST_CHILD.match(str(path))
+        if m:
+            return m.group(1), int(m.group(2))
+    return None
+
+
+def _plan(gm: fx.GraphModule, nodes: list[fx.Node]
+          ) -> tuple[fx.Graph, list[fx.Node], list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """(the block's graph, its inputs, the weights it alone reads, its outputs, its nodes)."""
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    weights: list[fx.Node] = []
+    for node in nodes:
+        for x in node.all_input_nodes:
+            if x in inside or x in inputs or x in weights:
+                continue
+            if x.op == "get_attr" and all(u in inside for u in x.users):
+                weights.append(x)
+            else:
+                inputs.append(x)
+    # what later nodes read, and what nothing reads (the last block's output the model drops
+    # is its siblings' output too: the same code)
+    outputs = [n for n in nodes if not n.users or any(u not in inside for u in n.users)]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, x in enumerate(inputs):
+        env[x] = graph.placeholder(f"x{i}")
+    for j, w in enumerate(weights):
+        env[w] = graph.get_attr(f"w{j}")
+    for k, node in enumerate(nodes):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        env[node] = graph.create_node(node.op, node.target, args, kwargs, name=f"n{k}")
+    graph.output(tuple(env[o] for o in outputs))
+    return graph, inputs, weights, outputs, nodes
+
+
+def _region_class(code: str, graph: fx.Graph) -> type[_Region]:
+    cls = _REGION_CLASSES.get(code)
+    if cls is None:
+        python = graph.python_code("self")
+        namespace = dict(python.globals)
+        exec(compile(python.src, f"<kopt block {len(_REGION_CLASSES)}>", "exec"),  # noqa: S102
+             namespace)
+        cls = type(f"Block{len(_REGION_CLASSES)}", (_Region,),
+                   {"forward": namespace["forward"], "__module__": __name__})
+        _REGION_CLASSES[code] = cls
+    return cls
+
+
+def _free_name(gm: fx.GraphModule, name: str) -> str:
+    base, n = name, 1
+    while hasattr(gm, name):
+        name = f"{base}_{n}"
+        n += 1
+    return name
+
+
+def _replace(gm: fx.GraphModule, target: str, nodes: list[fx.Node], inputs: list[fx.Node],
+             outputs: list[fx.Node], moved: dict[fx.Node, fx.Node]) -> None:
+    inside = set(nodes)
+    with gm.graph.inserting_before(nodes[0]):
+        call = gm.graph.call_module(target, tuple(inputs))
+        for i, out in enumerate(outputs):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+            out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+            moved[out] = item
+    for node in reversed(nodes):
+        gm.graph.erase_node(node)

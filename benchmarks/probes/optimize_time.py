@@ -167,13 +167,15 @@ def compiled_first_call(w: object, inner: str, config: PassConfig, verify: Verif
         torch.cuda.synchronize()
     first = time.perf_counter() - s0
     capture = sum(r.capture_seconds for r in reports)
+    checked = "off" if not verify.enabled else \
+        "passed" if all(r.verified for r in reports) else "FAILED"
     passes, inner_s = spent["optimize_captured"], spent["inner_compile"]
     print(f"{w.name}: torch.compile(backend='kopt', inner={inner}) first call {first:.1f} s: "
-          f"{len(reports)} graphs, kopt's capture {capture:.1f} s, passes with verification "
-          f"{passes:.1f} s, the inner compiler {inner_s:.1f} s, the rest (dynamo, the call) "
-          f"{first - capture - passes - inner_s:.1f} s; "
-          f"{sum(r.applied for r in reports)} rewrites, verification "
-          f"{'passed' if all(r.verified for r in reports) else 'FAILED'}", flush=True)
+          f"{len(reports)} graphs, kopt's capture {capture:.1f} s, passes"
+          f"{' with verification' if verify.enabled else ''} {passes:.1f} s, the inner compiler "
+          f"{inner_s:.1f} s, the rest (dynamo, the call) {first - capture - passes - inner_s:.1f}"
+          f" s; {sum(r.applied for r in reports)} rewrites, verification "
+          f"{checked}", flush=True)
     for r in reports:
         print("\n".join(f"{w.name}:   {line}" for line in r.runtime))
     if cuda:

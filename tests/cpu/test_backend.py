@@ -48,6 +48,7 @@ def test_compiled_models_match_eager_at_the_declared_tier(tiny, name: str, inner
     want = w.run()
     assert len(reports) == 1 and reports[0].verified
     assert reports[0].result("merge_projections").matched >= 4
+    assert reports[0].repeated.startswith("repeated blocks")  # each block traced once
     flat, _ = flatten_inputs(w.args, w.kwargs)
     ref = main_output(run_fp64(capture_module(w.model, w.args, w.kwargs).gm, flat))
     # merge_projections is the least exact pass: tolerance tier, 2x the original's error
