@@ -12,7 +12,8 @@ Prints the capture's and the optimization's seconds, the rewrites applied and th
 traced), ``--split`` the whole-model export's steps apart (export, decompositions, the module);
 ``--profile N`` adds cProfile's N most expensive calls (cumulative) of the optimization.
 ``--kb PATH`` optimizes inside that knowledge base's scope: the first process records the
-optimized graph, a second one with the same arguments restores it (``kopt.warm``).
+optimized graph, a second one with the same arguments restores it (``kopt.warm``); with
+``--backend`` too.
 ``--backend INNER`` times ``torch.compile(model, backend="kopt")`` instead, with that inner
 compiler (``inductor``, the default's, or ``eager``), to its first call's return: dynamo's
 trace, kopt's capture and passes, the inner compiler and the call, with the peak GPU memory
@@ -87,7 +88,8 @@ def main() -> None:
         config = config.replace(fp8=FP8Config())
     verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))))
     if args.backend:
-        compiled_first_call(w, args.backend, config, verify, weights, args.live)
+        with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext():
+            compiled_first_call(w, args.backend, config, verify, weights, args.live)
         return
     t0 = time.perf_counter()
     cap = capture_module(w.model, w.args, w.kwargs)
@@ -177,6 +179,8 @@ def compiled_first_call(w: object, inner: str, config: PassConfig, verify: Verif
           f" s; {sum(r.applied for r in reports)} rewrites, verification "
           f"{checked}", flush=True)
     for r in reports:
+        if r.warm:
+            print(f"{w.name}:   {r.warm}")
         print("\n".join(f"{w.name}:   {line}" for line in r.runtime))
     if cuda:
         s0 = time.perf_counter()
