@@ -442,8 +442,9 @@ def outline_dynamo_blocks(gm: fx.GraphModule) -> int:
     finds them as it finds a model's blocks; returns the blocks outlined.
 
     A block is the run of nodes whose ``nn_module_stack`` names one child of a list (its
-    outermost such entry); blocks whose runs are split, that call modules, or whose code
-    differs from their siblings' stay inline (a list keeps only blocks of one code). The
+    outermost such entry); blocks whose runs are split, that call modules or read attributes
+    that are not tensors (a higher-order op's subgraph), or whose code differs from their
+    siblings' stay inline (a list keeps only blocks of one code). The
     weights a block alone reads move into it; everything else it reads becomes an argument,
     and what later nodes read of it its outputs. ``gm`` computes what it computed: its
     graph calls the blocks where their nodes were."""
@@ -465,7 +466,11 @@ def outline_dynamo_blocks(gm: fx.GraphModule) -> int:
             lists.setdefault(path, []).append((index, nodes))
     chosen = []  # planned in full before the graph changes
     for path, blocks in lists.items():
-        plans = [_plan(gm, nodes) for _, nodes in sorted(blocks, key=lambda b: b[0])]
+        try:
+            plans = [_plan(gm, nodes) for _, nodes in sorted(blocks, key=lambda b: b[0])]
+        except NotRepeatable as e:
+            log.info("kopt: blocks %s stay in dynamo's graph (%s)", path, e)
+            continue
         by_code: dict[str, list[tuple]] = {}
         for plan in plans:
             by_code.setdefault(plan[0].python_code("self").src, []).append(plan)
@@ -531,6 +536,8 @@ def _plan(gm: fx.GraphModule, nodes: list[fx.Node]
         for x in node.all_input_nodes:
             if x in inside or x in inputs or x in weights:
                 continue
+            if x.op == "get_attr" and not isinstance(attr(gm, x.target), torch.Tensor):
+                raise NotRepeatable(f"it reads {x.target}, not a tensor (a subgraph)")
             if x.op == "get_attr" and all(u in inside for u in x.users):
                 weights.append(x)
             else:

@@ -95,3 +95,27 @@ def test_the_blocks_sharing_the_most_common_code_are_outlined(monkeypatch):
     assert _nodes(outlined.gm) == _nodes(flat.gm)
     with torch.no_grad():
         assert torch.equal(outlined.gm(*inputs)[0], model(x))
+
+
+class _Branching(nn.Module):
+    """A block with a higher-order op: dynamo's graph reads its branches as submodules."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        y = self.lin(x)
+        return torch.cond(y.sum() > 0, lambda t: t * 2, lambda t: t - 1, (y,))
+
+
+def test_blocks_reading_subgraphs_stay_inline():
+    torch.manual_seed(0)
+    model = _Stack([_Branching(8) for _ in range(3)])
+    x = torch.randn(4, 8)
+    gm, example = _dynamo_graph(model, x)
+    assert any(n.op == "get_attr" and not isinstance(attr(gm, n.target), torch.Tensor)
+               for n in gm.graph.nodes)  # the branches, read by every block
+    assert outline_dynamo_blocks(gm) == 0
+    with torch.no_grad():
+        assert torch.equal(gm(*example)[0], model(x))
