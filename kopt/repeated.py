@@ -34,6 +34,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from kopt.graph.query import attr, compact_paths, fake_mode_of
+from kopt.graph.splice import remove_dead_code
 
 log = logging.getLogger("kopt")
 
@@ -296,7 +297,7 @@ def instantiate(
             block_gm = export(call.block, *_rebuild(call, values))
             traces[key] = _Trace(block_gm, mode, call, len(traces))
         _inline(gm, op, traces[key], registry.paths[instance], anchor, model)
-    gm.graph.eliminate_dead_code()
+    remove_dead_code(gm.graph)
     return Repeated(len(ops), len(traces), [registry.paths[op.args[2]] for op in ops])
 
 

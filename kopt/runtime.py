@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kopt.codegen.launch import DirectOp
 from kopt.codegen.ops import CUDA_IMPLS, REFERENCES
 from kopt.graph.regions import CachedRegion, cached_regions, layout, same_value
-from kopt.graph.splice import copy_graph_module, inline_graph
+from kopt.graph.splice import copy_graph_module, inline_graph, remove_dead_code
 from kopt.verify import mutated_attributes, random_inputs
 
 log = logging.getLogger("kopt")
@@ -202,7 +202,7 @@ def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp],
             _lower_fused(gm, node, summary, ops)
     if "views" in stages:
         summary.folded_views += _fold_views(graph)
-    graph.eliminate_dead_code()
+    remove_dead_code(graph)
     bindings = _Bindings()
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):

@@ -37,6 +37,7 @@ from kopt.graph.splice import (
     infer_meta,
     inline_graph,
     prune_unused_attributes,
+    remove_dead_code,
     stable_topo_sort,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "op_name",
     "other_operand",
     "prune_unused_attributes",
+    "remove_dead_code",
     "qualified_name",
     "stable_topo_sort",
     "structural_key",

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from kopt import offload
 from kopt.capture import MODEL_SOURCES, SOURCE_KEY
 from kopt.graph import add_constant, attr, constant_nodes
-from kopt.graph.splice import prune_unused_attributes
+from kopt.graph.splice import prune_unused_attributes, remove_dead_code
 from kopt.passes.base import Pass, PassResult, count_nodes
 from kopt.patterns.collectives import KEEP_PER_CALL, is_collective
 from kopt.patterns.core import exact
@@ -145,7 +145,7 @@ class FoldConstants(Pass):
                 in_place.append(len(targets) - 1)
             else:
                 added += _nbytes(value)
-        gm.graph.eliminate_dead_code()
+        remove_dead_code(gm.graph)
 
         still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
         # released on the expectation that every value computed from it would be folded: a
@@ -523,6 +523,6 @@ def _select_outputs(load: fx.GraphModule, keep: list[int]) -> fx.GraphModule:
     out = next(n for n in load.graph.nodes if n.op == "output")
     values = out.args[0]
     out.args = (tuple(values[i] for i in keep),)
-    load.graph.eliminate_dead_code()
+    remove_dead_code(load.graph)
     load.recompile()
     return load

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.operator_schemas import normalize_function
 from torch.utils import _pytree as pytree
 
-from kopt.graph import describe_node, fake_mode_of, inline_graph, op_name
+from kopt.graph import describe_node, fake_mode_of, inline_graph, op_name, remove_dead_code
 
 # node.meta key of a site that the verifier checks against its own fp64 computation:
 # (fp64 function, names of the nodes whose values are its arguments) (kopt.verify)
@@ -203,7 +203,7 @@ class PatternRewrite(Rewrite):
         if self._graph is None:
             examples = list(self.example_inputs())
             gm = make_fx(self.pattern_fn, pre_dispatch=True)(*examples, *self.scalars.values())
-            gm.graph.eliminate_dead_code()
+            remove_dead_code(gm.graph)
             self._graph = gm.graph
             outs = self.outputs
             if not outs or not all(isinstance(o, fx.Node) for o in outs):
@@ -258,7 +258,7 @@ class PatternRewrite(Rewrite):
         scalar_values = [match.bindings[n] for n in self.scalars]
         with fake_mode_of(gm):
             rep = make_fx(self.replacement_fn, pre_dispatch=True)(*fake_inputs, *scalar_values)
-        rep.graph.eliminate_dead_code()
+        remove_dead_code(rep.graph)
         rep_ph = [n.name for n in rep.graph.nodes if n.op == "placeholder"]
         inputs = dict(zip(rep_ph, [match.bindings[n] for n in tensor_names] + scalar_values,
                           strict=True))

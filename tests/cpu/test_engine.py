@@ -239,3 +239,55 @@ def test_fake_calls_of_equal_metadata_are_remembered_and_views_are_not() -> None
     split = fake_call(mode, aten.split.Tensor, (a, 4))
     assert len(_OUTPUTS_BY_MODE[mode]) == 2  # a view: run every time
     assert split[1].untyped_storage()._cdata == a.untyped_storage()._cdata
+
+
+def test_fake_calls_on_inputs_that_start_elsewhere_share_one_memo_entry() -> None:
+    """Each block's slice of a merged projection's output starts at another offset: the memo
+    counts an input's storage offset only by its alignment (modulo 16 elements), so the slices
+    share one entry while an unaligned slice is a call of its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kopt.graph import fake_call
+    from kopt.graph.splice import _OUTPUTS_BY_MODE
+
+    mode = FakeTensorMode()
+    with mode:
+        merged = torch.empty(4, 6 * 64, dtype=torch.bfloat16)
+        slices = [merged[:, i * 64:(i + 1) * 64] for i in range(6)]  # offsets 0, 64, ...
+        odd = merged[:, 3:67]  # offset 3: another alignment
+    outs = [fake_call(mode, aten.mul.Tensor, (s, 2.0)) for s in slices]
+    assert len(_OUTPUTS_BY_MODE[mode]) == 1
+    with mode:
+        want = torch.mul(slices[5], 2.0)
+    assert all((o.shape, o.stride(), o.dtype) == (want.shape, want.stride(), want.dtype)
+               for o in outs)
+    fake_call(mode, aten.mul.Tensor, (odd, 2.0))
+    assert len(_OUTPUTS_BY_MODE[mode]) == 2
+
+
+def test_dead_code_removal_keeps_what_fx_keeps() -> None:
+    """kopt's dead-code removal remembers each op's purity: it drops the dead pure nodes FX
+    drops and keeps the dead writes and random draws FX keeps, on the same graph."""
+    from kopt.graph import remove_dead_code
+
+    def build() -> fx.Graph:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        buf = g.placeholder("buf")
+        y = g.call_function(aten.mul.Tensor, (x, 2.0))
+        g.call_function(aten.add.Tensor, (y, 1.0))  # dead, pure
+        g.call_function(aten.neg.default, (x,))  # dead, pure
+        g.call_function(aten.copy_.default, (buf, y))  # dead result, writes buf
+        g.call_function(aten.rand.default, ([4],))  # dead, random: FX keeps it
+        g.call_function(aten.mul.Tensor, (x, 3.0))  # dead, pure (the same op as a live one)
+        g.output(y)
+        return g
+
+    ours, theirs = build(), build()
+    assert remove_dead_code(ours) and theirs.eliminate_dead_code()
+    names = [str(n.target) for n in ours.nodes]
+    assert names == [str(n.target) for n in theirs.nodes]
+    assert "aten.copy_.default" in names and "aten.rand.default" in names
+    assert "aten.add.Tensor" not in names and "aten.neg.default" not in names
+    assert names.count("aten.mul.Tensor") == 1
+    assert not remove_dead_code(ours)  # nothing left to remove
