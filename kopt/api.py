@@ -173,6 +173,9 @@ class _Specialization:
         self.graphs_off: str | None = None  # why this graph runs without CUDA graphs
         self.pool_mib: float | None = None  # what the module's CUDA-graph pool holds
         self.said_strides = False
+        # the graph's outputs on seed 0's random inputs, where a check ran it (the plan's check
+        # then runs the plan alone); dropped once the plan is built
+        self.outputs: list[Any] | None = None
 
     def runtime_lines(self, cuda_graphs: CudaGraphs) -> list[str]:
         """The report's lines on how this graph runs."""
@@ -436,7 +439,8 @@ class OptimizedModule:
                                                        isinstance(t, FakeTensor))
                    for t in example)
         if self.execution_plan and real:
-            spec.plan = build_plan(spec.gm, example)
+            spec.plan = build_plan(spec.gm, example, outputs=spec.outputs)
+        spec.outputs = None
         self._refresh_report(spec)
 
     @contextmanager
@@ -634,10 +638,12 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
         cost is None and dump_dir is None) else None
     hit = warm.restore(captured, verify) if warm is not None else None
     if hit is not None:
-        gm, results, uuid, line = hit
-        return _Specialization(captured, gm, Report(
+        gm, results, uuid, line, outputs = hit
+        spec = _Specialization(captured, gm, Report(
             name, captured.source, capture_seconds, nodes, results, uuid, repeated=repeated,
             warm=line))
+        spec.outputs = outputs
+        return spec
     log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
              len(manager.passes))
     gm, results = manager.run(captured.gm, captured.example_inputs,
@@ -647,7 +653,10 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
         warm.record(captured, gm, results, verify, uuid, outputs=manager.end_to_end)
     report = Report(name, captured.source, capture_seconds, nodes, results, uuid,
                     manager.ranking, repeated=repeated)
-    return _Specialization(captured, gm, report)
+    spec = _Specialization(captured, gm, report)
+    if manager.end_to_end is not None:
+        spec.outputs = manager.end_to_end[0]
+    return spec
 
 
 def optimize(

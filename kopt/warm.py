@@ -63,7 +63,7 @@ from kopt.kb.session import Session, active
 from kopt.kb.store import KnowledgeBaseError, format_time, kopt_build
 from kopt.kb.verdicts import inputs_device, skip_reason, workload_key
 from kopt.passes.base import PassResult
-from kopt.passes.fold import LoadProgram
+from kopt.passes.fold import LoadProgram, skip_packed_rows
 from kopt.patterns.core import Rejection, Verdict
 
 if TYPE_CHECKING:
@@ -259,9 +259,13 @@ def restore(captured: Captured, stored: Stored, release: bool = False) -> fx.Gra
     for name, v in stored.inline.items():
         root[name] = meta_tensor(v) if isinstance(v, Val) else torch.load(
             io.BytesIO(v.data), weights_only=True).to(v.device)
+    reads = {node[2] for nodes in (stored.graph, *(r[0] for r in stored.regions.values()))
+             for node in nodes if node[1] == "get_attr"}  # encoded: (name, op, target, ...)
+    # run, never inspected: no fake values
+    parts = skip_packed_rows([(decode_graph(nodes, None), targets, sources, in_place)
+                              for nodes, targets, sources, in_place in stored.programs], reads)
     programs = []
-    for nodes, targets, sources, in_place in stored.programs:
-        graph = decode_graph(nodes, None)  # run, never inspected: no fake values
+    for graph, targets, sources, in_place in parts:
         out = next(n for n in graph.nodes if n.op == "output").args[0]
         keep.update(root[a.target].untyped_storage()._cdata if a.target in root else
                     attr(cap, a.target).untyped_storage()._cdata
@@ -317,7 +321,7 @@ def end_to_end_error(captured: Captured, gm: fx.GraphModule) -> float:
     captured graph's on seed 0's random inputs; inf where one of them is not finite where
     the captured graph's is."""
     inputs, want = captured_outputs(captured)
-    return error_against(gm, inputs, want)
+    return error_against(gm, inputs, want)[0]
 
 
 def captured_outputs(captured: Captured) -> tuple[list[Any], list[Any]]:
@@ -329,14 +333,16 @@ def captured_outputs(captured: Captured) -> tuple[list[Any], list[Any]]:
     return inputs, pytree.tree_leaves(run_flat(captured.gm, inputs))
 
 
-def error_against(gm: fx.GraphModule, inputs: list[Any], want: list[Any]) -> float:
-    """:func:`end_to_end_error` of ``gm`` against the captured graph's outputs ``want``."""
+def error_against(gm: fx.GraphModule, inputs: list[Any], want: list[Any]
+                  ) -> tuple[float, list[Any]]:
+    """(:func:`end_to_end_error` of ``gm`` against the captured graph's outputs ``want``,
+    ``gm``'s outputs)."""
     from kopt.verify import run_flat
 
     got = pytree.tree_leaves(run_flat(gm, inputs))
     for region in cached_regions(gm):
         region.clear()  # random inputs are no entry to serve later calls from
-    return outputs_error(got, want)
+    return outputs_error(got, want), got
 
 
 def outputs_error(got: Sequence[Any], want: Sequence[Any]) -> float:
@@ -411,10 +417,10 @@ class WarmStart:
         return cls(s, k, workload, device)
 
     def restore(self, captured: Captured, verify: VerifyOptions
-                ) -> tuple[fx.GraphModule, list[PassResult], str, str] | None:
-        """(graph, marked pass results, the pipeline's uuid, the report's line) of a stored
-        optimization that restores and passes its check, or None (a miss, or an entry
-        dropped: logged)."""
+                ) -> tuple[fx.GraphModule, list[PassResult], str, str, list[Any] | None] | None:
+        """(graph, marked pass results, the pipeline's uuid, the report's line, the graph's
+        outputs on seed 0's random inputs where its check ran it) of a stored optimization that
+        restores and passes its check, or None (a miss, or an entry dropped: logged)."""
         s = self.session
         found = s.guard("reading optimized graphs", lambda: s.kb.graph(self.key), None)
         if found is None:
@@ -439,7 +445,7 @@ class WarmStart:
             return None
         if why is None:
             try:
-                error = error_against(gm, inputs, want)
+                error, outputs = error_against(gm, inputs, want)
             except Exception as e:  # the restored graph does not even run: never the user's
                 offload.give_back(offload.released() - before)
                 self._drop(record.entry_id, f"its end-to-end check raised {type(e).__name__}: "
@@ -456,7 +462,7 @@ class WarmStart:
             check = f"end-to-end check on seed 0 passed: relative error {error:.3g} " \
                     f"(at most {bound:.3g}{recorded})"
         else:
-            check = f"end-to-end check not run ({why})"
+            check, outputs = f"end-to-end check not run ({why})", None
         s.guard("recording a hit", lambda: s.kb.graph_used(record.id), None)
         line = (f"warm start: optimized graph {record.entry_id} restored from the knowledge "
                 f"base in {time.perf_counter() - t0:.2f} s (recorded "
@@ -466,7 +472,7 @@ class WarmStart:
         s.last_workload, s.last_device = self.workload, self.device
         log.debug("kopt: %s", line)  # the report prints it
         passes = [replace(r, seconds=0.0, from_kb=record.entry_id) for r in stored.passes]
-        return gm, passes, stored.pipeline_uuid, line
+        return gm, passes, stored.pipeline_uuid, line, outputs
 
     def record(self, captured: Captured, gm: fx.GraphModule, passes: Sequence[PassResult],
                verify: VerifyOptions, pipeline_uuid: str,

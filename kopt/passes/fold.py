@@ -526,3 +526,71 @@ def _select_outputs(load: fx.GraphModule, keep: list[int]) -> fx.GraphModule:
     remove_dead_code(load.graph)
     load.recompile()
     return load
+
+
+# A load program before it runs: (its graph, targets, sources, outputs packed in place).
+ProgramParts = tuple[fx.Graph, tuple[str, ...], tuple[str, ...], tuple[int, ...]]
+
+
+def skip_packed_rows(programs: list[ProgramParts], reads: set[str]) -> list[ProgramParts]:
+    """``programs`` without the packed row-concatenations of weights that only later programs'
+    row-local ops read: each such op reads the concatenated weights themselves instead, which
+    :class:`_Streaming` runs one weight at a time into its output's rows -- the same rows, bit
+    for bit, since the op is row-local -- so the concatenation is never made. With FP8 that is
+    the merge's (W1: 12.7 GiB of BF16 made through host memory) quantized by ``fold_weights``,
+    whose BF16 the optimized graph never reads. ``reads``: the attributes the optimized graph
+    and its hoisted regions read (a concatenation they read is made as before). A weight read
+    anywhere else than by that one concatenation keeps it too: :class:`_Streaming` releases a
+    weight as soon as its rows are written."""
+    graphs = [p[0] for p in programs]
+    uses: dict[str, int] = {}  # attribute -> get_attr nodes naming it, in all programs
+    for g in graphs:
+        for n in g.nodes:
+            if n.op == "get_attr":
+                uses[n.target] = uses.get(n.target, 0) + 1
+    composed: dict[int, set[int]] = {}  # program -> outputs taken out
+    changed: set[int] = set()  # programs reading a concatenation's weights now
+    for i, (graph, targets, _, in_place) in enumerate(programs):
+        out = _output(graph)
+        for j in in_place:
+            cat, target = out[j], targets[j]
+            readers = [n for g in graphs[i + 1:] for n in g.nodes
+                       if n.op == "get_attr" and n.target == target]
+            if (target in reads or not readers or not _packs_in_place(cat)
+                    or len(cat.users) != 1  # the output node alone
+                    or any(uses.get(a.target) != 1 for a in cat.args[0])
+                    or not all(_row_local_call(u) for r in readers for u in r.users)):
+                continue
+            for r in readers:
+                for user in list(r.users):
+                    with r.graph.inserting_before(user):
+                        parts = [r.graph.get_attr(a.target) for a in cat.args[0]]
+                        rows = r.graph.call_function(cat.target, (parts, *cat.args[1:]),
+                                                     dict(cat.kwargs))
+                    user.replace_input_with(r, rows)
+                r.graph.erase_node(r)
+            composed.setdefault(i, set()).add(j)
+            changed.update(k for k, g in enumerate(graphs) if any(r.graph is g for r in readers))
+    if not composed:
+        return programs
+    result = []
+    for i, (graph, targets, sources, in_place) in enumerate(programs):
+        gone = composed.get(i, set())
+        if gone:
+            out = _output(graph)
+            keep = [j for j in range(len(out)) if j not in gone]
+            if not keep:
+                continue
+            output = next(n for n in graph.nodes if n.op == "output")
+            output.args = (type(out)(out[j] for j in keep),)
+            remove_dead_code(graph)
+            targets = tuple(targets[j] for j in keep)
+            in_place = tuple(keep.index(j) for j in in_place if j not in gone)
+        if gone or i in changed:
+            sources = tuple(dict.fromkeys(n.target for n in graph.nodes if n.op == "get_attr"))
+        result.append((graph, targets, sources, in_place))
+    return result
+
+
+def _output(graph: fx.Graph) -> tuple | list:
+    return next(n for n in graph.nodes if n.op == "output").args[0]

@@ -266,6 +266,31 @@ def test_a_plan_that_differs_is_made_again_without_the_rewrite_at_fault(tiny, mo
         assert _same(plan.gm(*flat), opt.graph_module(*flat))
 
 
+def test_the_plans_check_takes_the_graphs_outputs_from_verification(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """Verification ran the optimized graph on seed 0's random inputs last: the plan's check
+    compares the plan with those outputs instead of running the graph again; outputs that are
+    not the graph's fail it."""
+    import kopt.runtime as runtime
+
+    runs: list[bool] = []
+    real = runtime._run_clean
+
+    def counted(gm, inputs, planned_regions):  # noqa: ANN001, ANN202
+        runs.append(planned_regions)
+        return real(gm, inputs, planned_regions)
+
+    monkeypatch.setattr(runtime, "_run_clean", counted)
+    w = tiny["qwen-image-tiny"]
+    opt = kopt.optimize(w.model, w.args, w.kwargs)
+    spec = opt._specs[opt._first_key]
+    assert spec.plan.off is None and runs == [True]  # the plan ran, the graph not again
+    example = spec.captured.example_inputs
+    want = real(opt.graph_module, random_inputs(example, 0), planned_regions=False)
+    assert build_plan(opt.graph_module, example, outputs=want).off is None
+    wrong = [x + 1 if x.is_floating_point() else x for x in want]
+    assert "differs" in build_plan(opt.graph_module, example, outputs=wrong).off
+
+
 class _Launcher36:
     """The form of Triton 3.6's launcher: the kernel's arguments passed on one by one."""
 

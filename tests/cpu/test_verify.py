@@ -408,3 +408,42 @@ def test_kept_outputs_are_copies_where_the_graph_writes_state() -> None:
     assert torch.equal(base.want[0][0], random_inputs(example, 0)[0])
     assert not gm.acc.any()  # restored after the check
     assert compare(first, copy_graph_module(gm), example, exact("a copy"), options, base).passed
+
+
+def test_a_bounded_check_after_another_runs_no_fp64_graph(monkeypatch) -> None:  # noqa: ANN001
+    """Two FP8 rounds in a row (``fp8``, then ``fp8_large``): the second reports the model's
+    output error against the fp64 run of the captured graph's function, kept from the first,
+    instead of an fp64 run of the graph the first left; each site is still checked on its own
+    fp64 computation."""
+    import kopt.verify as verify
+    from kopt.passes import FP8Config
+    from kopt.patterns.fp8 import fp8_linear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(torch.bfloat16)
+    cap = capture_module(model, (torch.randn(8, 64, dtype=torch.bfloat16),))
+    fp64_runs = []
+    real = verify.run_fp64
+    monkeypatch.setattr(verify, "run_fp64",
+                        lambda gm, inputs: fp64_runs.append(gm) or real(gm, inputs))
+    rewrite = RewritePass("fp8", [fp8_linear(FP8Config(min_features=16), large=False)])
+    options = VerifyOptions(seeds=(0, 1))
+    baseline = verify.Baseline(cap.gm, cap.example_inputs)
+    graphs, verdicts = [cap.gm], []
+    sites = [n.name for n in cap.gm.graph.nodes if "linear" in str(n.target)]
+    assert len(sites) == 2
+    for site in sites:  # one linear per round
+        cand = copy_graph_module(graphs[-1])
+        assert rewrite.run(cand, {site}).matched == 1
+        verdicts.append(compare(graphs[-1], cand, cap.example_inputs, rewrite.numerics,
+                                options, baseline))
+        verify.forget_sites(cand)
+        baseline.accept(cand, rewrite.numerics)
+        graphs.append(cand)
+    assert all(v.passed and v.tier == "bounded" for v in verdicts), verdicts
+    assert fp64_runs == [cap.gm, cap.gm]  # one per seed, in the first round only
+    # both rounds: the error against the captured graph's fp64 run, and that graph's own
+    original = [v.detail.split("(original ")[1].split(")")[0] for v in verdicts]
+    assert original[0] == original[1]
+    first, second = (float(v.detail.split("model output ")[1].split(" ")[0]) for v in verdicts)
+    assert second > first  # two linears in FP8 move the output further than one

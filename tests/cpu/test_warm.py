@@ -21,13 +21,14 @@ from torch.utils import _pytree as pytree
 import kopt
 import kopt.warm as warm
 from kopt.capture import capture_module
-from kopt.graph import is_view
+from kopt.graph import attr, is_view
 from kopt.graph.serialize import NotSerializable, Target, fingerprint
 from kopt.kb import KnowledgeBase, using, workload_key
 from kopt.models import build
 from kopt.models.zoo import ZOO
 from kopt.models.zoo import build as build_zoo
 from kopt.passes import FP8Config, PassConfig, PassManager
+from kopt.passes.fold import LoadProgram
 from kopt.verify import VerifyOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,11 +52,22 @@ def _optimize(kb: KnowledgeBase, config: PassConfig = PassConfig(), *, seed: int
     return opt, session, out, w
 
 
-def _packed_in_place(opt: kopt.OptimizedModule) -> int:
-    """The model's parameters that view one of the graph's packed buffers."""
+def _packed_in_place(opt: kopt.OptimizedModule, read: bool = False) -> int:
+    """The model's parameters that view one of the graph's packed buffers (``read``: one the
+    graph reads)."""
     packed = {b.untyped_storage().data_ptr() for n, b in opt.graph_module.named_buffers()
-              if n.startswith("_kopt")}
+              if n.startswith("_kopt") and (not read or n in _reads(opt))}
     return sum(p.untyped_storage().data_ptr() in packed for p in opt.original.parameters())
+
+
+def _reads(opt: kopt.OptimizedModule) -> set[str]:
+    gm = opt.graph_module
+    graphs = [gm, *(m.region for m in gm.modules() if hasattr(m, "region"))]
+    return {n.target for g in graphs for n in g.graph.nodes if n.op == "get_attr"}
+
+
+def _output(program: LoadProgram) -> list:
+    return next(n for n in program.graph_module.graph.nodes if n.op == "output").args[0]
 
 
 def _bitwise(a: list, b: list) -> bool:
@@ -83,8 +95,9 @@ def test_second_optimization_restores_the_recorded_graph(kb: KnowledgeBase,
     assert [is_view(n) for n in warm_opt.graph_module.graph.nodes] == \
         [is_view(n) for n in cold.graph_module.graph.nodes]
     assert _bitwise(out1, out2)
-    # the load programs re-ran on this model: merged weights packed in place as a cold run does
-    assert 0 < _packed_in_place(warm_opt) == _packed_in_place(cold)
+    # the load programs re-ran on this model: the merged weights the graph reads packed in
+    # place as a cold run does
+    assert 0 < _packed_in_place(warm_opt, read=True) == _packed_in_place(cold, read=True)
     assert kb.graphs()[0].hits == 1
 
 
@@ -104,6 +117,36 @@ def test_every_model_round_trips(kb: KnowledgeBase, name: str, config: PassConfi
     assert not cold.report.warm and hit.report.warm, kb.graphs()
     assert hit.graph_module.code == cold.graph_module.code
     assert _bitwise(got, want)
+
+
+def test_merged_weights_only_quantized_are_never_concatenated_on_a_warm_start(
+        kb: KnowledgeBase) -> None:
+    """A cold run concatenates the merged weights to check the merge, then quantizes the
+    concatenation; the warm start quantizes each weight into its rows of the FP8 buffer (the
+    same bits) and never makes the BF16 concatenation, which the optimized graph does not read.
+    The programs it runs instead re-pack the FP8 buffers when a weight changes in place."""
+    cold, _, want, w1 = _optimize(kb, FP8)
+    warm_opt, _, got, w2 = _optimize(kb, FP8)
+    assert warm_opt.report.warm and _bitwise(got, want)
+    cold_buffers = dict(cold.graph_module.named_buffers())
+    warm_buffers = dict(warm_opt.graph_module.named_buffers())
+    programs = cold.graph_module.meta["kopt_load_programs"]
+    cats = {t: (p, n) for p in programs for t, n in zip(p.targets, _output(p), strict=True)
+            if n.target is torch.ops.aten.cat.default}
+    concatenated = {t for t in cats if t not in _reads(cold)}
+    assert concatenated, "the cold run made no concatenation the graph does not read"
+    assert not concatenated & set(warm_buffers)
+    for name, b in warm_buffers.items():
+        assert torch.equal(b, cold_buffers[name]), name
+    # a weight of a merged concatenation changed in place: both re-pack the same FP8 rows
+    merged = {id(attr(p.graph_module, a.target)) for p, n in map(cats.get, concatenated)
+              for a in n.args[0]}
+    name = next(n for n, t in w1.model.named_parameters() if id(t) in merged)
+    for w in (w1, w2):
+        with torch.no_grad():
+            w.model.get_parameter(name).mul_(1.5)
+    assert _bitwise(pytree.tree_leaves(warm_opt(*w2.args, **w2.kwargs)),
+                    pytree.tree_leaves(cold(*w1.args, **w1.kwargs)))
 
 
 def test_another_checkpoint_is_a_hit_packed_from_its_own_weights(kb: KnowledgeBase) -> None:
