@@ -409,15 +409,15 @@ class Baseline:
             self._fit()
         return out
 
-    def report_reference(self, seed: int, inputs: Sequence[Any]
+    def report_reference(self, seed: int, inputs: Sequence[Any], outputs: list[Any]
                          ) -> tuple[list[Any], list[Any]]:
         """(an fp64 run, the outputs measured against it) for a bounded check's report of the
         model's output error: the first graph's function and outputs where they were kept --
         how far the passes so far moved the model from exact arithmetic, with no graph run
-        again -- else the accepted graph's."""
+        again -- else the accepted graph's fp64 run and ``outputs``, its outputs."""
         if seed in self.exact and seed in self.first:
             return self.exact[seed], self.first[seed]
-        return self.fp64(seed, inputs), self.outputs(seed, inputs)
+        return self.fp64(seed, inputs), outputs
 
     def checked(self, gm: fx.GraphModule, outputs: dict[int, list[Any]]) -> None:
         """``gm`` passed its check on every seed with these outputs."""
@@ -523,7 +523,7 @@ def _compare(baseline: Baseline, after: fx.GraphModule, numerics: Numerics,
             continue
         try:  # a bounded check reports the output error, against the first graph's where kept
             ref, base = (baseline.fp64(seed, inputs), want) if local is None else \
-                baseline.report_reference(seed, inputs)
+                baseline.report_reference(seed, inputs, want)
         except Exception as exc:  # noqa: BLE001 -- unverifiable counts as failed, never as passed
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return Verdict(False, numerics.tier, f"the fp64 reference could not be computed: "
