@@ -542,26 +542,24 @@ def skip_packed_rows(programs: list[ProgramParts], reads: set[str]) -> list[Prog
     and its hoisted regions read (a concatenation they read is made as before). A weight read
     anywhere else than by that one concatenation keeps it too: :class:`_Streaming` releases a
     weight as soon as its rows are written."""
-    graphs = [p[0] for p in programs]
-    uses: dict[str, int] = {}  # attribute -> get_attr nodes naming it, in all programs
-    for g in graphs:
-        for n in g.nodes:
-            if n.op == "get_attr":
-                uses[n.target] = uses.get(n.target, 0) + 1
+    named: dict[str, list[tuple[int, fx.Node]]] = {}  # attribute -> (program, its get_attr)
+    for k, (graph, *_) in enumerate(programs):
+        for n in graph.find_nodes(op="get_attr"):
+            named.setdefault(n.target, []).append((k, n))
     composed: dict[int, set[int]] = {}  # program -> outputs taken out
     changed: set[int] = set()  # programs reading a concatenation's weights now
     for i, (graph, targets, _, in_place) in enumerate(programs):
         out = _output(graph)
         for j in in_place:
             cat, target = out[j], targets[j]
-            readers = [n for g in graphs[i + 1:] for n in g.nodes
-                       if n.op == "get_attr" and n.target == target]
+            readers = [(k, n) for k, n in named.get(target, ()) if k > i]
             if (target in reads or not readers or not _packs_in_place(cat)
                     or len(cat.users) != 1  # the output node alone
-                    or any(uses.get(a.target) != 1 for a in cat.args[0])
-                    or not all(_row_local_call(u) for r in readers for u in r.users)):
+                    or any(len(named.get(a.target, ())) != 1 for a in cat.args[0])
+                    or not all(_row_local_call(u) for _, r in readers for u in r.users)):
                 continue
-            for r in readers:
+            for k, r in readers:
+                changed.add(k)
                 for user in list(r.users):
                     with r.graph.inserting_before(user):
                         parts = [r.graph.get_attr(a.target) for a in cat.args[0]]
@@ -570,7 +568,6 @@ def skip_packed_rows(programs: list[ProgramParts], reads: set[str]) -> list[Prog
                     user.replace_input_with(r, rows)
                 r.graph.erase_node(r)
             composed.setdefault(i, set()).add(j)
-            changed.update(k for k, g in enumerate(graphs) if any(r.graph is g for r in readers))
     if not composed:
         return programs
     result = []
