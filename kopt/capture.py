@@ -29,6 +29,8 @@ from torch.utils import _pytree as pytree
 
 from kopt.collect import collector_skips_what_lives_already
 from kopt.errors import CaptureError
+from kopt.graph.serialize import made_from
+from kopt.graph.splice import _LAZY
 from kopt.repeated import (
     NotRepeatable,
     Repeated,
@@ -152,9 +154,16 @@ def _export_block(block: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Graph
 
 def _finish(gm: fx.GraphModule, flat: list[Any], blocks: Repeated | None) -> Captured:
     info = gm.graph._codegen.pytree_info
-    _make_flat(gm)
-    gm.meta[SOURCE_KEY] = "export"
-    return Captured(gm, info.in_spec, info.out_spec, flat, "export", blocks)
+    _make_flat(gm, recompile=False)
+    # its Python code made when first called or read (as the passes' copies are): the passes
+    # copy the graph, and a warm start never runs it on the meta device (W1: 11644 nodes)
+    lazy = _LAZY(gm, gm.graph, class_name=type(gm).__name__)
+    lazy.meta.update(gm.meta)
+    lazy.train(gm.training)
+    lazy.meta[SOURCE_KEY] = "export"
+    if blocks is not None and blocks.structure is not None:
+        made_from(lazy.graph, blocks.structure)  # its fingerprint without encoding each block
+    return Captured(lazy, info.in_spec, info.out_spec, flat, "export", blocks)
 
 
 def capture_dynamo(
@@ -221,8 +230,9 @@ def _is_static_input(node: fx.Node, example: Any) -> bool:
     return tensor_dict.get("_dynamo_static_input_type") is not None
 
 
-def _make_flat(gm: fx.GraphModule) -> None:
-    """Drop export's input-guard hook and its pytree calling convention: callers flatten."""
+def _make_flat(gm: fx.GraphModule, recompile: bool = True) -> None:
+    """Drop export's input-guard hook and its pytree calling convention: callers flatten.
+    ``recompile``: make ``gm``'s Python code now (else the caller replaces ``gm``)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not node.users and str(node.target).startswith("_guards"):
             target = str(node.target)
@@ -236,7 +246,8 @@ def _make_flat(gm: fx.GraphModule) -> None:
     gm.graph._codegen = fx.graph.CodeGen()
     gm._forward_pre_hooks.clear()  # export's pytree input check; callers check signatures
     gm._forward_pre_hooks_with_kwargs.clear()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     for node in gm.graph.nodes:
         if node.op != "output" and node.users and "val" not in node.meta:
             written = node.args[0] if node.target is torch.ops.aten.copy_.default else None

@@ -20,8 +20,10 @@ as it is (an error there names the construct, as it always does).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
+import pickle
 import re
 import types
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from kopt.graph.query import attr, compact_paths, fake_mode_of
+from kopt.graph.serialize import encode_graph
 from kopt.graph.splice import remove_dead_code
 
 log = logging.getLogger("kopt")
@@ -251,6 +254,10 @@ class Repeated:
     instances: int  # block calls instantiated from a traced block
     traced: int  # blocks traced
     paths: list[str]
+    # a hash of what the instantiated graph is made from (the outer trace, each traced block,
+    # the instances' paths): the fingerprint without encoding every instance (W1: 11644
+    # nodes); None where a graph cannot be encoded (the fingerprint then encodes the whole)
+    structure: str | None = None
 
     def describe(self) -> str:
         return (f"repeated blocks {_compact(self.paths)}: {self.traced} "
@@ -288,6 +295,8 @@ def instantiate(
         return Repeated(0, 0, [])
     mode = fake_mode_of(gm)
     traces: dict[int, _Trace] = {}
+    paths = [registry.paths[op.args[2]] for op in ops]
+    structure = _Structure(gm.graph, paths)
     anchor = next(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr"))
     for op in ops:
         xs, key, instance = op.args
@@ -296,9 +305,37 @@ def instantiate(
             values = [x.meta["val"] for x in xs]
             block_gm = export(call.block, *_rebuild(call, values))
             traces[key] = _Trace(block_gm, mode, call, len(traces))
+            structure.add(key, block_gm.graph, traces[key].attrs)
         _inline(gm, op, traces[key], registry.paths[instance], anchor, model)
     remove_dead_code(gm.graph)
-    return Repeated(len(ops), len(traces), [registry.paths[op.args[2]] for op in ops])
+    return Repeated(len(ops), len(traces), paths, structure.digest())
+
+
+class _Structure:
+    """The hash of :attr:`Repeated.structure`: the outer graph with its stand-ins (encoded
+    before they are inlined), each block's traced graph and the attributes it reads of its
+    instance. The instantiated graph is a function of these and the kopt version (which keys
+    a warm start too); the weights' shapes and dtypes are hashed by the fingerprint itself."""
+
+    def __init__(self, outer: fx.Graph, paths: list[str]) -> None:
+        self.hash: Any = hashlib.sha256()
+        self._add(("outer", outer, paths))
+
+    def add(self, key: int, block: fx.Graph, attrs: dict[str, str | None]) -> None:
+        self._add(("block", key, block, sorted(attrs.items())))
+
+    def _add(self, part: tuple) -> None:
+        if self.hash is None:
+            return
+        try:
+            part = tuple(encode_graph(p, keep_meta=False) if isinstance(p, fx.Graph) else p
+                         for p in part)
+            self.hash.update(pickle.dumps(part, protocol=5))
+        except Exception:  # noqa: BLE001 -- NotSerializable, a symbolic size: the whole graph
+            self.hash = None
+
+    def digest(self) -> str | None:
+        return None if self.hash is None else self.hash.hexdigest()
 
 
 class _Trace:

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import importlib
 import pickle
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -267,18 +268,53 @@ def fingerprint(gm: fx.GraphModule) -> str:
     and every attribute's name, shape, strides, dtype and device (a model cast to another
     dtype is another graph). Cheap: no code generation (W1's graph is 11650 nodes). Raises
     :class:`NotSerializable` for a graph the encoding cannot name exactly (a closure as a
-    target, an object as an argument, symbolic shapes): never a hash that two graphs share."""
+    target, an object as an argument, symbolic shapes): never a hash that two graphs share.
+
+    A graph :func:`made_from` registered is hashed by what it was made from instead of node
+    by node (W1: the 60 instances of one traced block)."""
     h = hashlib.sha256()
-    try:
-        h.update(pickle.dumps(encode_graph(gm.graph, keep_meta=False), protocol=5))
-    except NotSerializable:
-        raise
-    except Exception as e:  # noqa: BLE001 -- e.g. a symbolic size that does not pickle
-        raise NotSerializable(f"{type(e).__name__}: {e}") from e
+    structure = _registered(gm.graph)
+    if structure is not None:
+        h.update(f"made from {structure}".encode())
+    else:
+        try:
+            h.update(pickle.dumps(encode_graph(gm.graph, keep_meta=False), protocol=5))
+        except NotSerializable:
+            raise
+        except Exception as e:  # noqa: BLE001 -- e.g. a symbolic size that does not pickle
+            raise NotSerializable(f"{type(e).__name__}: {e}") from e
     for name in sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"}):
         t = attr(gm, name)
         h.update(repr((name, describe_tensor(t))).encode())
     return h.hexdigest()
+
+
+# graph -> (hash of what made it, each node's parts as registered): a node added, erased or
+# edited since (a target, its arguments, its value) makes the hash stale, and is seen
+_MADE_FROM: weakref.WeakKeyDictionary[fx.Graph, tuple[str, list[tuple]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def made_from(graph: fx.Graph, structure: str) -> None:
+    """Register ``structure`` as the hash of what deterministically made ``graph`` (the
+    capture's :attr:`kopt.repeated.Repeated.structure`), for :func:`fingerprint` to take while
+    ``graph`` is unchanged."""
+    _MADE_FROM[graph] = (structure, _parts(graph))
+
+
+def _registered(graph: fx.Graph) -> str | None:
+    made = _MADE_FROM.get(graph)
+    if made is None:
+        return None
+    now = _parts(graph)  # the same objects, or an edit
+    same = len(now) == len(made[1]) and all(
+        all(x is y for x, y in zip(a, b, strict=True))
+        for a, b in zip(now, made[1], strict=True))
+    return made[0] if same else None
+
+
+def _parts(graph: fx.Graph) -> list[tuple]:
+    return [(n, n.op, n.target, n.args, n.kwargs, n.meta.get("val")) for n in graph.nodes]
 
 
 def describe_tensor(t: Any) -> Any:

@@ -7,9 +7,11 @@ import pytest
 import torch
 from torch import fx, nn
 
+import kopt.graph.serialize as serialize
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.graph import module_path
+from kopt.graph.serialize import fingerprint
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
 from kopt.repeated import find_groups
@@ -107,6 +109,35 @@ def _check_same(model: nn.Module, x: torch.Tensor) -> object:
     assert torch.equal(once.gm(x)[0], model(x))
     assert all(isinstance(b, _Block | _Mutating | _Alias) for b in model.blocks)  # restored
     return once.repeated
+
+
+class _Sigmoid(_Block):
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.sigmoid(self.lin(x)) * scale + self.index
+
+
+def test_the_fingerprint_hashes_what_made_the_graph_until_it_is_edited(monkeypatch):
+    """A capture's fingerprint (the warm start's key) comes from the outer trace and the one
+    traced block, not from encoding every instance; other code in the blocks is another
+    fingerprint, and an edit of the captured graph makes it encode the graph node by node."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+
+    def cap(cls: type = _Block) -> object:
+        return capture_module(_Stack([cls(8) for _ in range(4)]), (x,))
+
+    encoded: list[int] = []
+    real = serialize.encode_graph
+    monkeypatch.setattr(serialize, "encode_graph",
+                        lambda g, **kw: encoded.append(len(g.nodes)) or real(g, **kw))
+    a = cap()
+    assert a.repeated.instances == 4 and a.repeated.structure is not None
+    first = fingerprint(a.gm)
+    assert encoded == []
+    assert first == fingerprint(cap().gm) != fingerprint(cap(_Sigmoid).gm)
+    relu = next(n for n in a.gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+    relu.target = torch.ops.aten.sigmoid.default
+    assert fingerprint(a.gm) != first and encoded == [len(a.gm.graph.nodes)]
 
 
 def test_blocks_with_different_attributes_are_not_grouped():

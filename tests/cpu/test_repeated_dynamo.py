@@ -65,10 +65,14 @@ def test_dynamo_graphs_trace_their_blocks_once_to_the_flat_capture(name, traces,
         want = gm(*example)
         for a, b, c in zip(outlined.gm(*inputs), flat.gm(*inputs), want, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c)
-    # every instance reads the model's own tensors, not copies
+    # every instance reads the model's own tensors, not copies, and those the flat one reads
     own = {id(t) for t in w.model.parameters()}
-    read = {id(t) for t in outlined.gm.parameters()}
-    assert own <= read | {id(t) for t in outlined.gm.buffers()}
+    assert {id(t) for t in outlined.gm.parameters()} <= own
+    assert _reads(outlined.gm) & own == _reads(flat.gm) & own != set()
+
+
+def _reads(gm) -> set[int]:
+    return {id(attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
 def test_blocks_with_other_code_stay_inline():
