@@ -170,9 +170,8 @@ def fake_call(mode: FakeTensorMode, target: Any, args: Sequence[Any] = (),
     memo = _OUTPUTS_BY_MODE.setdefault(mode, {}) if key is not None else None
     if memo is not None and key in memo:
         spec, leaves = memo[key]
-        with mode:
-            made = [torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device=leaf[4]) if
-                    isinstance(leaf, tuple) and leaf[:1] == ("T",) else leaf for leaf in leaves]
+        made = [fresh_fake(mode, *leaf[1:5]) if isinstance(leaf, tuple) and leaf[:1] == ("T",)
+                else leaf for leaf in leaves]
         return pytree.tree_unflatten(made, spec)
     with mode:
         out = target(*args, **kwargs)
@@ -184,6 +183,15 @@ def fake_call(mode: FakeTensorMode, target: Any, args: Sequence[Any] = (),
                for d, leaf in zip(described, leaves, strict=True)):
             memo[key] = (spec, described)
     return out
+
+
+def fresh_fake(mode: FakeTensorMode, shape: Sequence[int], stride: Sequence[int],
+               dtype: torch.dtype, device: torch.device) -> FakeTensor:
+    """A new fake tensor of ``mode`` with its own storage, as ``torch.empty_strided`` under the
+    mode makes one, but made directly from a meta tensor: dispatching through the mode costs
+    several times as much, and the passes make one per output of every remembered call."""
+    return FakeTensor(mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"),
+                      device)
 
 
 def _describe(x: Any, align: bool = False) -> Any:

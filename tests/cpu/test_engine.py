@@ -230,8 +230,13 @@ def test_fake_calls_of_equal_metadata_are_remembered_and_views_are_not() -> None
     again = fake_call(mode, aten.mul.Tensor, (a, 2.0))
     assert len(_OUTPUTS_BY_MODE[mode]) == 1
     assert isinstance(again, FakeTensor) and again is not first and again.fake_mode is mode
-    assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(),
-                                                           first.dtype)
+    assert (again.shape, again.stride(), again.dtype, again.device) == (
+        first.shape, first.stride(), first.dtype, first.device)
+    # made directly, not dispatched: still a storage of its own, and computes in the mode
+    assert again.untyped_storage()._cdata not in {t.untyped_storage()._cdata
+                                                  for t in (a, first)}
+    with mode:
+        assert (again + first).stride() == first.stride()
     other = fake_call(mode, aten.mul.Tensor, (b, 2.0))
     with mode:
         want = torch.mul(b, 2.0)
