@@ -40,7 +40,7 @@ from kopt.passes.fold import LoadProgram
 from kopt.passes.pipeline import format_pass_line
 from kopt.runtime import ExecutionPlan, build_plan
 from kopt.verify import VerifyOptions
-from kopt.warm import WarmStart
+from kopt.warm import WarmStart, captured_ops
 
 if TYPE_CHECKING:
     from kopt.cost import CostModel, Ranking
@@ -631,19 +631,21 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
     an optimization that scope recorded before is restored instead of run (:mod:`kopt.warm`),
     and a cold one is recorded for the next process. Not with ``cost``, whose ranking is
     measured afresh, nor with ``dump_dir``, whose files are written by the passes."""
-    nodes = sum(1 for n in captured.gm.graph.nodes if n.op == "call_function")
     manager = PassManager(config, verify, dump_dir, cost=cost, cuda_graphs=cuda_graphs)
     repeated = captured.repeated.describe() if captured.repeated else ""
     warm = WarmStart.lookup(captured, manager, verify, cuda_graphs) if (
         cost is None and dump_dir is None) else None
     hit = warm.restore(captured, verify) if warm is not None else None
     if hit is not None:
-        gm, results, uuid, line, outputs = hit
+        gm, results, uuid, line, outputs, nodes = hit
         spec = _Specialization(captured, gm, Report(
-            name, captured.source, capture_seconds, nodes, results, uuid, repeated=repeated,
-            warm=line))
+            name, captured.source, capture_seconds,
+            captured_ops(captured.gm) if nodes is None else nodes, results, uuid,
+            repeated=repeated, warm=line))
         spec.outputs = outputs
         return spec
+    nodes = captured_ops(captured.gm)
+    repeated = captured.repeated.describe() if captured.repeated else ""  # as made
     log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
              len(manager.passes))
     gm, results = manager.run(captured.gm, captured.example_inputs,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,13 +29,18 @@ from torch.utils import _pytree as pytree
 
 from kopt.collect import collector_skips_what_lives_already
 from kopt.errors import CaptureError
-from kopt.graph.serialize import made_from
+from kopt.graph.query import attr
+from kopt.graph.serialize import fingerprint, fingerprint_of, made_from
 from kopt.graph.splice import _LAZY
 from kopt.repeated import (
+    Blocks,
     NotRepeatable,
     Repeated,
+    block_tensors,
+    calls_of,
     instantiate,
     outline_dynamo_blocks,
+    trace_blocks,
     trace_with_stand_ins,
 )
 
@@ -52,16 +57,84 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _KOPT_DIR = os.path.dirname(__file__)
 
 
-@dataclass
 class Captured:
-    """A captured graph and how to call it with the model's (args, kwargs)."""
+    """A captured graph and how to call it with the model's (args, kwargs).
 
-    gm: fx.GraphModule
-    in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
-    example_inputs: list[Any]  # flat leaves of (args, kwargs), in placeholder order
-    source: str  # "export" or "dynamo"
-    repeated: Repeated | None = None  # repeated blocks traced once and instantiated
+    A model of repeated blocks is captured in two steps (:mod:`kopt.repeated`): the traces,
+    which name the graph (:meth:`fingerprint`), and the graph made from them (its
+    decompositions, and every instance inlined), made when :attr:`gm` is first read. A warm
+    start never reads it: it restores the optimized graph over the model's own tensors
+    (:meth:`tensor`) and checks it against the model's forward (:meth:`outputs`)."""
+
+    def __init__(self, gm: fx.GraphModule | None, in_spec: pytree.TreeSpec,
+                 out_spec: pytree.TreeSpec, example_inputs: list[Any], source: str,
+                 repeated: Repeated | None = None, *,
+                 make: Callable[[], tuple[fx.GraphModule, Repeated | None]] | None = None,
+                 fingerprint: str | None = None,
+                 tensors: Callable[[str], torch.Tensor | None] | None = None,
+                 model: torch.nn.Module | None = None) -> None:
+        if (gm is None) == (make is None):
+            raise ValueError("a capture has its graph or the means to make it, not both")
+        self._gm = gm
+        self._make = make
+        self._fingerprint = fingerprint
+        self._tensors = tensors
+        self._model = model
+        self.in_spec = in_spec
+        self.out_spec = out_spec
+        self.example_inputs = example_inputs  # flat leaves of (args, kwargs), placeholder order
+        self.source = source  # "export" or "dynamo"
+        self.repeated = repeated  # repeated blocks traced once and instantiated
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        if self._gm is None:
+            gm, repeated = self._make()
+            gm.meta[SOURCE_KEY] = self.source
+            self._gm, self._make, self._tensors, self._model = gm, None, None, None
+            self.repeated = repeated  # None where the model was exported whole after all
+        return self._gm
+
+    @property
+    def made(self) -> bool:
+        """Whether the graph was made (:attr:`gm` read)."""
+        return self._gm is not None
+
+    def fingerprint(self) -> str:
+        """:func:`kopt.graph.serialize.fingerprint` of :attr:`gm`, without making it where the
+        traces name it (once made, the graph's own: it may have been edited since)."""
+        if self._gm is None and self._fingerprint is not None:
+            return self._fingerprint
+        return fingerprint(self.gm)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The attribute ``name`` of :attr:`gm` (a weight of the model, shared), without making
+        the graph where the model holds it under that name."""
+        if self._gm is None and self._tensors is not None:
+            found = self._tensors(name)
+            if found is not None:
+                return found
+        return attr(self.gm, name)
+
+    def outputs(self, inputs: list[Any]) -> list[Any]:
+        """The flat outputs of the captured computation on the flat ``inputs``: the graph's,
+        or, while it is not made, the model's own forward (the ops the graph traced, run
+        eagerly), which makes no graph."""
+        with torch.no_grad():
+            if self._gm is None and self._model is not None:
+                args, kwargs = pytree.tree_unflatten(list(inputs), self.in_spec)
+                return pytree.tree_leaves(self._model(*args, **kwargs))
+            return pytree.tree_leaves(self.gm(*inputs))
+
+    @property
+    def training(self) -> bool:
+        # ExportedProgram.module() makes its module in training mode (a test compares the two)
+        return self._gm.training if self._gm is not None else True
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """:attr:`gm`'s metadata; before it is made, only how it was captured."""
+        return self._gm.meta if self._gm is not None else {SOURCE_KEY: self.source}
 
     def unflatten_outputs(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -118,25 +191,92 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict | None,
     flat, _ = flatten_inputs(args, kwargs)
     if repeated:
         try:
-            traced = trace_with_stand_ins(model, tuple(args), kwargs, _export)
+            traced = trace_with_stand_ins(model, tuple(args), kwargs, _trace)
             if traced is not None:
-                gm, registry = traced
-                blocks = instantiate(gm, registry, model, _export_block)
-                return _finish(gm, flat, blocks)
+                ep, registry = traced
+                blocks = trace_blocks(ep.graph, registry, _export_block)
+                return _made_later(model, tuple(args), kwargs, flat, ep, registry, blocks)
         except Exception as exc:  # noqa: BLE001 -- the whole-model trace decides, and names it
-            why = exc.args[0] if isinstance(exc, NotRepeatable) else \
-                f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
-            log.info("kopt: repeated blocks traced with the whole model (%s)", why)
+            _traced_whole(exc)
+    return _finish(_export_whole(model, tuple(args), kwargs), flat, None)
+
+
+def _traced_whole(exc: Exception) -> None:
+    why = exc.args[0] if isinstance(exc, NotRepeatable) else \
+        f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    log.info("kopt: repeated blocks traced with the whole model (%s)", why)
+
+
+def _export_whole(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     try:
-        gm = _export(model, tuple(args), kwargs)
+        return _export(model, args, kwargs)
     except Exception as exc:  # noqa: BLE001 -- every failure becomes a CaptureError naming it
         raise _classify(exc) from exc
-    return _finish(gm, flat, None)
+
+
+def _made_later(model: torch.nn.Module, args: tuple, kwargs: dict, flat: list[Any],
+                ep: torch.export.ExportedProgram, registry: Any, blocks: Blocks) -> Captured:
+    """The capture of a model of repeated blocks, its graph made when first read: the outer
+    trace decomposed and every block inlined, which a warm start never needs. Where that
+    fails, the whole model is exported then."""
+    shared = block_tensors(blocks)
+
+    def tensor(name: str) -> torch.Tensor | None:
+        if name in shared:
+            return shared[name]
+        try:  # the outer trace's weights and each instance's: the model's own, by their paths
+            value = attr(model, name)
+        except AttributeError:
+            return None
+        return value if isinstance(value, torch.Tensor) else None
+
+    fp = _traces_fingerprint(blocks, ep, model, tensor)
+
+    def make() -> tuple[fx.GraphModule, Repeated | None]:
+        with collector_skips_what_lives_already():
+            try:
+                with calls_of(registry):
+                    gm = ep.run_decompositions({}).module()
+                instantiate(gm, registry, model, blocks)
+                made = blocks.repeated
+            except Exception as exc:  # noqa: BLE001 -- the whole-model trace decides
+                _traced_whole(exc)
+                gm, made = _export_whole(model, args, kwargs), None
+            module = _flat_module(gm)
+        if fp is not None:  # made deterministically from what ``fp`` hashes, either way
+            made_from(module.graph, fp)
+        return module, made
+
+    return Captured(None, ep.call_spec.in_spec, ep.call_spec.out_spec, flat, "export",
+                    blocks.repeated, make=make, fingerprint=fp, tensors=tensor, model=model)
+
+
+def _traces_fingerprint(blocks: Blocks, ep: torch.export.ExportedProgram,
+                        model: torch.nn.Module,
+                        tensor: Callable[[str], torch.Tensor | None]) -> str | None:
+    """The fingerprint of the graph made from the traces: their hash
+    (:attr:`Repeated.structure`) and every tensor that graph can read -- the outer trace's, each
+    instance's own, the blocks' constants -- by name, shape, strides, dtype and device."""
+    structure = blocks.repeated.structure
+    if structure is None:
+        return None
+    found = {**ep.state_dict, **ep.constants}
+    names = {*found, *block_tensors(blocks)}
+    for path in blocks.repeated.paths:
+        block = model.get_submodule(path)
+        names.update(f"{path}.{n}" for n, _ in (
+            *block.named_parameters(remove_duplicate=False),
+            *block.named_buffers(remove_duplicate=False)))
+    return fingerprint_of(structure, {n: tensor(n) if n not in found else found[n]
+                                      for n in names})
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    return torch.export.export(model, tuple(args), kwargs, strict=False)
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-    return ep.run_decompositions({}).module()
+    return _trace(model, args, kwargs).run_decompositions({}).module()
 
 
 def _export_block(block: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
@@ -152,8 +292,7 @@ def _export_block(block: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Graph
     return gm
 
 
-def _finish(gm: fx.GraphModule, flat: list[Any], blocks: Repeated | None) -> Captured:
-    info = gm.graph._codegen.pytree_info
+def _flat_module(gm: fx.GraphModule) -> fx.GraphModule:
     _make_flat(gm, recompile=False)
     # its Python code made when first called or read (as the passes' copies are): the passes
     # copy the graph, and a warm start never runs it on the meta device (W1: 11644 nodes)
@@ -161,9 +300,12 @@ def _finish(gm: fx.GraphModule, flat: list[Any], blocks: Repeated | None) -> Cap
     lazy.meta.update(gm.meta)
     lazy.train(gm.training)
     lazy.meta[SOURCE_KEY] = "export"
-    if blocks is not None and blocks.structure is not None:
-        made_from(lazy.graph, blocks.structure)  # its fingerprint without encoding each block
-    return Captured(lazy, info.in_spec, info.out_spec, flat, "export", blocks)
+    return lazy
+
+
+def _finish(gm: fx.GraphModule, flat: list[Any], blocks: Repeated | None) -> Captured:
+    info = gm.graph._codegen.pytree_info
+    return Captured(_flat_module(gm), info.in_spec, info.out_spec, flat, "export", blocks)
 
 
 def capture_dynamo(
@@ -218,7 +360,9 @@ def capture_dynamo(
     # the real weights a repeated block's stand-in runs on
     with torch._guards.tracing(None):
         captured = capture_module(lifted, tuple(runtime_examples))
-    captured.source = captured.gm.meta[SOURCE_KEY] = "dynamo"
+    captured.source = "dynamo"
+    if captured.made:  # else set as it is made
+        captured.gm.meta[SOURCE_KEY] = "dynamo"
     return captured, runtime
 
 

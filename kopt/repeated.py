@@ -274,41 +274,114 @@ def _compact(paths: list[str]) -> str:
 
 def trace_with_stand_ins(
     model: torch.nn.Module, args: tuple, kwargs: dict, export: Any,
-) -> tuple[fx.GraphModule, _Registry] | None:
-    """``export(model, args, kwargs)`` (returning a GraphModule) with the repeated blocks
-    standing in as opaque ops; ``None`` where the model has no repeated blocks."""
+) -> tuple[Any, _Registry] | None:
+    """``export(model, args, kwargs)`` with the repeated blocks standing in as opaque ops;
+    ``None`` where the model has no repeated blocks. Whatever ``export`` returns (a program
+    whose graph :func:`trace_blocks` reads) is returned with the calls it saw."""
     groups = find_groups(model)
     if not groups:
         return None
     with _standing_in(groups, model) as registry:
-        gm = export(model, args, kwargs)
-    return gm, registry
+        traced = export(model, args, kwargs)
+    return traced, registry
 
 
-def instantiate(
-    gm: fx.GraphModule, registry: _Registry, model: torch.nn.Module, export: Any,
-) -> Repeated:
-    """Replace every stand-in op of ``gm`` by its block's traced graph, reading the instance's
-    own parameters. ``export(block, args, kwargs)`` traces one block (kopt's flat IR)."""
+@contextmanager
+def calls_of(registry: _Registry) -> Iterator[None]:
+    """The stand-in ops of ``registry``'s trace known to their fake kernel again: for the
+    outer trace's decompositions, which run it once more."""
+    _ACTIVE.append(registry)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(registry)
+
+
+@dataclass
+class Blocks:
+    """Each distinct kind of repeated block traced once (:func:`trace_blocks`): what
+    :func:`instantiate` inlines, and the hash that names the graph it makes."""
+
+    traces: dict[int, fx.GraphModule]  # registry key -> the block's traced graph
+    repeated: Repeated
+
+
+def trace_blocks(graph: fx.Graph, registry: _Registry, export: Any) -> Blocks:
+    """Trace each kind of block that the stand-in ops of ``graph`` (the outer trace) call, with
+    its first call's arguments. ``export(block, args, kwargs)`` traces one block (kopt's flat
+    IR). :attr:`Repeated.structure` hashes ``graph``, each block's graph, the attributes it
+    reads and the instances' paths: the graph :func:`instantiate` makes from them is a function
+    of these and of the kopt and torch builds."""
+    ops = [n for n in graph.nodes if n.target is torch.ops.kopt.repeated_block.default]
+    paths = [registry.paths[op.args[2]] for op in ops]
+    structure = _Structure(graph, paths)
+    traces: dict[int, fx.GraphModule] = {}
+    for op in ops:
+        xs, key, _ = op.args
+        if key not in traces:
+            call = registry.calls[key]
+            traces[key] = export(call.block, *_rebuild(call, [x.meta["val"] for x in xs]))
+            structure.add(key, traces[key].graph, _block_attrs(traces[key], call))
+    return Blocks(traces, Repeated(len(ops), len(traces), paths, structure.digest()))
+
+
+def instantiate(gm: fx.GraphModule, registry: _Registry, model: torch.nn.Module,
+                blocks: Blocks) -> None:
+    """Replace every stand-in op of ``gm`` (the outer trace, decomposed) by its block's traced
+    graph, reading the instance's own parameters. Raises :class:`NotRepeatable` where a call's
+    arguments are not laid out as the block was traced with."""
     ops = [n for n in gm.graph.nodes if n.target is torch.ops.kopt.repeated_block.default]
-    if not ops:
-        return Repeated(0, 0, [])
     mode = fake_mode_of(gm)
     traces: dict[int, _Trace] = {}
-    paths = [registry.paths[op.args[2]] for op in ops]
-    structure = _Structure(gm.graph, paths)
     anchor = next(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr"))
     for op in ops:
         xs, key, instance = op.args
         if key not in traces:
-            call = registry.calls[key]
-            values = [x.meta["val"] for x in xs]
-            block_gm = export(call.block, *_rebuild(call, values))
-            traces[key] = _Trace(block_gm, mode, call, len(traces))
-            structure.add(key, block_gm.graph, traces[key].attrs)
+            traces[key] = _Trace(blocks.traces[key], mode, registry.calls[key], len(traces))
+        _check_layout(xs, traces[key])
         _inline(gm, op, traces[key], registry.paths[instance], anchor, model)
     remove_dead_code(gm.graph)
-    return Repeated(len(ops), len(traces), paths, structure.digest())
+
+
+def _check_layout(xs: list[fx.Node], trace: _Trace) -> None:
+    """The decomposed outer trace hands the block what it was traced with (shapes, strides,
+    dtypes): its views are valid for those strides only."""
+    args, kwargs = _rebuild(trace.call, list(xs))
+    leaves, _ = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))  # the block's order
+    for x, p in zip(leaves, trace.placeholders, strict=True):
+        if not isinstance(x, fx.Node):
+            continue
+        a, b = x.meta["val"], p.meta["val"]
+        if (a.shape, a.stride(), a.dtype) != (b.shape, b.stride(), b.dtype):
+            raise NotRepeatable(f"a call's argument is laid out as {list(a.shape)} "
+                                f"{list(a.stride())} {a.dtype} after the decompositions, the "
+                                f"block was traced with {list(b.shape)} {list(b.stride())} "
+                                f"{b.dtype}")
+
+
+def block_tensors(blocks: Blocks) -> dict[str, torch.Tensor]:
+    """The traced blocks' own constants, by the names :func:`instantiate` gives them."""
+    out = {}
+    for index, block_gm in enumerate(blocks.traces.values()):
+        for node in block_gm.graph.nodes:
+            if node.op == "get_attr":
+                value = attr(block_gm, node.target)
+                if isinstance(value, torch.Tensor):
+                    out[_shared_name(index, node.target)] = value
+    return out
+
+
+def _shared_name(index: int, target: str) -> str:
+    return f"_kopt_repeated_{index}_{target.replace('.', '_')}"
+
+
+def _block_attrs(block_gm: fx.GraphModule, call: _Call) -> dict[str, str | None]:
+    """Per attribute the traced block reads: its name relative to the block where it is one of
+    the block's parameters or buffers (each instance reads its own), else None (a constant of
+    the trace, shared by the instances)."""
+    own = {id(t): n for n, t in (*call.block.named_parameters(), *call.block.named_buffers())}
+    return {node.target: own.get(id(attr(block_gm, node.target)))
+            for node in block_gm.graph.nodes if node.op == "get_attr"}
 
 
 class _Structure:
@@ -351,13 +424,7 @@ class _Trace:
                 self.vals[node] = pytree.tree_map_only(
                     torch.Tensor, lambda v: mode.from_tensor(v, static_shapes=True),
                     node.meta["val"])
-        own = {id(t): n for n, t in (*call.block.named_parameters(),
-                                     *call.block.named_buffers())}
-        self.attrs: dict[str, str | None] = {}  # block attribute -> instance-relative name
-        for node in block_gm.graph.nodes:
-            if node.op == "get_attr":
-                value = attr(block_gm, node.target)
-                self.attrs[node.target] = own.get(id(value))
+        self.attrs = _block_attrs(block_gm, call)  # -> instance-relative name
         tensor_out = [i for i, m in enumerate(call.out_leaves) if len(m) == 4]
         out = next(n for n in block_gm.graph.nodes if n.op == "output")
         flat_out = list(out.args[0])
@@ -413,7 +480,7 @@ def _instance_attr(gm: fx.GraphModule, node: fx.Node, trace: _Trace, path: str,
         if not _has(gm, target):  # the outer trace never saw the block: attach its tensor
             _attach(gm, target, attr(model, target))
     else:
-        target = f"_kopt_repeated_{trace.index}_{node.target.replace('.', '_')}"
+        target = _shared_name(trace.index, node.target)
         if not hasattr(gm, target):
             value = attr(trace.gm, node.target)
             if isinstance(value, torch.nn.Parameter):

@@ -16,10 +16,13 @@ scales are those of this checkpoint), or a small constant kept by value. A new c
 the same architecture is therefore a hit.
 
 One cheap end-to-end check guards every hit that can run one (verification on, inputs on a real
-device): the restored graph and the captured graph run once on seed 0's random inputs, and the
-restored graph's relative error must stay within :data:`CHECK_FACTOR` x what the recording run
-measured the same way, or the output dtype's floor. A hit that fails it is dropped from the
-knowledge base and the model is optimized cold.
+device): the restored graph and the captured computation run once on seed 0's random inputs,
+and the restored graph's relative error must stay within :data:`CHECK_FACTOR` x what the
+recording run measured the same way, or the output dtype's floor. A hit that fails it is
+dropped from the knowledge base and the model is optimized cold. A model of repeated blocks
+has its captured graph made only when read (:class:`kopt.capture.Captured`): a hit restores
+over the model's own tensors and checks against the model's forward, so the graph is never
+made.
 
 The stored form is a pickle read by :class:`_Unpickler`, which knows plain data, torch's dtypes
 and devices and the few kopt types below: an entry cannot make the reader run code.
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from kopt import offload
@@ -54,7 +58,6 @@ from kopt.graph.serialize import (
     decode_graph,
     describe_tensor,
     encode_graph,
-    fingerprint,
     meta_tensor,
     val_of,
 )
@@ -107,6 +110,7 @@ class Stored:
     verified: str  # how the recording run verified: "on seeds 0, 1, 2", or "off"
     pipeline_uuid: str  # the report's (the same build has the same passes)
     meta: dict[str, Any] = field(default_factory=dict)  # the graph module's plain metadata
+    captured_nodes: int | None = None  # the captured graph's ops (the report's count)
 
 
 # -- the key -------------------------------------------------------------------------------
@@ -195,7 +199,7 @@ def pack(captured: Captured, gm: fx.GraphModule, passes: Sequence[PassResult],
             if k != "kopt_load_programs" and isinstance(v, str | int | float | bool)}
     stored = Stored(encode_graph(gm.graph), type(gm).__name__, weights, inline,
                     stored_programs, regions, list(passes), error, verified, pipeline_uuid,
-                    meta)
+                    meta, captured_ops(cap))
     return zlib.compress(pickle.dumps(stored, protocol=5), 1)
 
 
@@ -251,11 +255,12 @@ def restore(captured: Captured, stored: Stored, release: bool = False) -> fx.Gra
     programs run on them, the hoisted regions rebuilt; node for node the graph packed.
     ``release``: each weight the restored graph does not read goes to
     :func:`kopt.offload.release` once the programs read it for the last time."""
-    cap = captured.gm
+    # the captured graph is not made for this (a model's weights are its tensors, by name)
+    weight = captured.tensor
     # what stays: the weights the graph reads, and those a program packs in place
-    keep = {attr(cap, name).untyped_storage()._cdata for name in stored.weights}
-    mode = fake_mode_of(cap)
-    root: dict[str, Any] = {name: attr(cap, name) for name in stored.weights}
+    keep = {weight(name).untyped_storage()._cdata for name in stored.weights}
+    mode = fake_mode_of(captured.gm) if captured.made else FakeTensorMode()
+    root: dict[str, Any] = {name: weight(name) for name in stored.weights}
     for name, v in stored.inline.items():
         root[name] = meta_tensor(v) if isinstance(v, Val) else torch.load(
             io.BytesIO(v.data), weights_only=True).to(v.device)
@@ -267,11 +272,10 @@ def restore(captured: Captured, stored: Stored, release: bool = False) -> fx.Gra
     programs = []
     for graph, targets, sources, in_place in parts:
         out = next(n for n in graph.nodes if n.op == "output").args[0]
-        keep.update(root[a.target].untyped_storage()._cdata if a.target in root else
-                    attr(cap, a.target).untyped_storage()._cdata
-                    for i in in_place for a in out[i].args[0])
+        keep.update((root[a.target] if a.target in root else weight(a.target)
+                     ).untyped_storage()._cdata for i in in_place for a in out[i].args[0])
         # sources: the model's weights, or the constants of a program before (folded after it)
-        program = LoadProgram(_LAZY({s: root[s] if s in root else attr(cap, s)
+        program = LoadProgram(_LAZY({s: root[s] if s in root else weight(s)
                                      for s in sources}, graph), targets, sources, in_place)
         # packed as fold_constants did: the merged weights held once
         values = program.run(frozenset(keep) if release else None, pack=True)
@@ -282,12 +286,12 @@ def restore(captured: Captured, stored: Stored, release: bool = False) -> fx.Gra
         region = _graph_module(decode_graph(nodes, mode), root, constants, "GraphModule")
         root[name] = CachedRegion(region, positions, names)
     graph = decode_graph(stored.graph, mode)
-    graph._codegen = cap.graph._codegen
+    graph._codegen = captured.gm.graph._codegen if captured.made else fx.graph.CodeGen()
     gm = _graph_module(graph, root, constants, stored.class_name)
     for name in constants - set(gm._buffers):  # read by a hoisted region only
         gm.register_buffer(name, root[name], persistent=False)
-    gm.train(cap.training)
-    gm.meta.update(cap.meta)
+    gm.train(captured.training)
+    gm.meta.update(captured.meta)
     gm.meta.update(stored.meta)
     gm.meta["kopt_load_programs"] = programs
     return gm
@@ -300,6 +304,11 @@ def _graph_module(graph: fx.Graph, root: dict[str, Any], constants: set[str],
     for name in used & constants:  # packed constants stay out of the state dict, as made
         gm.register_buffer(name, attr(gm, name), persistent=False)
     return gm
+
+
+def captured_ops(gm: fx.GraphModule) -> int:
+    """The ops of a captured graph: the report's size of it."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
 # -- the end-to-end check ------------------------------------------------------------------
@@ -325,12 +334,13 @@ def end_to_end_error(captured: Captured, gm: fx.GraphModule) -> float:
 
 
 def captured_outputs(captured: Captured) -> tuple[list[Any], list[Any]]:
-    """Seed 0's random inputs and the captured graph's outputs on them: the reference of
+    """Seed 0's random inputs and the captured computation's outputs on them
+    (:meth:`Captured.outputs`: a warm start makes no captured graph for them): the reference of
     :func:`error_against`, computed first where the other graph's making releases weights."""
-    from kopt.verify import random_inputs, run_flat
+    from kopt.verify import random_inputs
 
     inputs = random_inputs(captured.example_inputs, 0)
-    return inputs, pytree.tree_leaves(run_flat(captured.gm, inputs))
+    return inputs, captured.outputs(inputs)
 
 
 def error_against(gm: fx.GraphModule, inputs: list[Any], want: list[Any]
@@ -360,14 +370,13 @@ def outputs_error(got: Sequence[Any], want: Sequence[Any]) -> float:
     return worst
 
 
-def error_bound(captured: Captured, recorded: float | None) -> float:
+def error_bound(want: Sequence[Any], recorded: float | None) -> float:
     """The error a hit may show: :data:`CHECK_FACTOR` x the recording run's, and at least the
-    floor of the captured graph's floating output dtypes (``kopt.verify.RTOL_FLOOR``)."""
+    floor of the captured computation's floating output dtypes (``want``, its outputs;
+    ``kopt.verify.RTOL_FLOOR``)."""
     from kopt.verify import RTOL_FLOOR
 
-    out = next(n for n in captured.gm.graph.nodes if n.op == "output")
-    vals = pytree.tree_leaves(fx.node.map_arg(out.args, lambda n: n.meta.get("val")))
-    floors = [RTOL_FLOOR.get(v.dtype, RTOL_FLOOR[torch.bfloat16]) for v in vals
+    floors = [RTOL_FLOOR.get(v.dtype, RTOL_FLOOR[torch.bfloat16]) for v in want
               if isinstance(v, torch.Tensor) and v.is_floating_point()]
     return max(CHECK_FACTOR * (recorded or 0.0), max(floors, default=0.0))
 
@@ -392,11 +401,11 @@ class WarmStart:
         if s is None or s.retry:  # asked to run the dead ends again: every pass runs afresh
             return None
         try:
-            graph_fingerprint = fingerprint(captured.gm)
+            graph_fingerprint = captured.fingerprint()
         except NotSerializable as e:
             log.info("kopt: no warm start for this model: %s", e)
             return None
-        workload = s.workload or workload_key(captured.gm, captured.example_inputs,
+        workload = s.workload or workload_key(None, captured.example_inputs,
                                               graph_fingerprint)
         device = s.device or inputs_device(captured.example_inputs)
 
@@ -417,10 +426,12 @@ class WarmStart:
         return cls(s, k, workload, device)
 
     def restore(self, captured: Captured, verify: VerifyOptions
-                ) -> tuple[fx.GraphModule, list[PassResult], str, str, list[Any] | None] | None:
+                ) -> tuple[fx.GraphModule, list[PassResult], str, str, list[Any] | None,
+                           int | None] | None:
         """(graph, marked pass results, the pipeline's uuid, the report's line, the graph's
-        outputs on seed 0's random inputs where its check ran it) of a stored optimization that
-        restores and passes its check, or None (a miss, or an entry dropped: logged)."""
+        outputs on seed 0's random inputs where its check ran it, the captured graph's op count
+        as recorded) of a stored optimization that restores and passes its check, or None (a
+        miss, or an entry dropped: logged)."""
         s = self.session
         found = s.guard("reading optimized graphs", lambda: s.kb.graph(self.key), None)
         if found is None:
@@ -451,7 +462,7 @@ class WarmStart:
                 self._drop(record.entry_id, f"its end-to-end check raised {type(e).__name__}: "
                                             f"{str(e).splitlines()[0][:200] if str(e) else ''}")
                 return None
-            bound = error_bound(captured, stored.error)
+            bound = error_bound(want, stored.error)
             recorded = "" if stored.error is None else f", {stored.error:.3g} when recorded"
             if not error <= bound:
                 offload.give_back(offload.released() - before)
@@ -472,7 +483,7 @@ class WarmStart:
         s.last_workload, s.last_device = self.workload, self.device
         log.debug("kopt: %s", line)  # the report prints it
         passes = [replace(r, seconds=0.0, from_kb=record.entry_id) for r in stored.passes]
-        return gm, passes, stored.pipeline_uuid, line, outputs
+        return gm, passes, stored.pipeline_uuid, line, outputs, stored.captured_nodes
 
     def record(self, captured: Captured, gm: fx.GraphModule, passes: Sequence[PassResult],
                verify: VerifyOptions, pipeline_uuid: str,

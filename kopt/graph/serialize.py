@@ -270,36 +270,44 @@ def fingerprint(gm: fx.GraphModule) -> str:
     :class:`NotSerializable` for a graph the encoding cannot name exactly (a closure as a
     target, an object as an argument, symbolic shapes): never a hash that two graphs share.
 
-    A graph :func:`made_from` registered is hashed by what it was made from instead of node
-    by node (W1: the 60 instances of one traced block)."""
+    A graph :func:`made_from` registered has the fingerprint registered with it, while it is
+    unchanged: that of what made it (:func:`fingerprint_of`; W1: the 60 instances of one traced
+    block)."""
+    registered = _registered(gm.graph)
+    if registered is not None:
+        return registered
     h = hashlib.sha256()
-    structure = _registered(gm.graph)
-    if structure is not None:
-        h.update(f"made from {structure}".encode())
-    else:
-        try:
-            h.update(pickle.dumps(encode_graph(gm.graph, keep_meta=False), protocol=5))
-        except NotSerializable:
-            raise
-        except Exception as e:  # noqa: BLE001 -- e.g. a symbolic size that does not pickle
-            raise NotSerializable(f"{type(e).__name__}: {e}") from e
+    try:
+        h.update(pickle.dumps(encode_graph(gm.graph, keep_meta=False), protocol=5))
+    except NotSerializable:
+        raise
+    except Exception as e:  # noqa: BLE001 -- e.g. a symbolic size that does not pickle
+        raise NotSerializable(f"{type(e).__name__}: {e}") from e
     for name in sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"}):
-        t = attr(gm, name)
-        h.update(repr((name, describe_tensor(t))).encode())
+        h.update(repr((name, describe_tensor(attr(gm, name)))).encode())
     return h.hexdigest()
 
 
-# graph -> (hash of what made it, each node's parts as registered): a node added, erased or
-# edited since (a target, its arguments, its value) makes the hash stale, and is seen
+def fingerprint_of(structure: str, tensors: dict[str, Any]) -> str:
+    """The fingerprint of a graph made deterministically from what ``structure`` hashes (the
+    capture's :attr:`kopt.repeated.Repeated.structure`), reading some of ``tensors`` (by name:
+    their shapes, strides, dtypes and devices are hashed)."""
+    h = hashlib.sha256(f"made from {structure}".encode())
+    for name in sorted(tensors):
+        h.update(repr((name, describe_tensor(tensors[name]))).encode())
+    return h.hexdigest()
+
+
+# graph -> (its fingerprint, each node's parts as registered): a node added, erased or edited
+# since (a target, its arguments, its value) makes the fingerprint stale, and is seen
 _MADE_FROM: weakref.WeakKeyDictionary[fx.Graph, tuple[str, list[tuple]]] = \
     weakref.WeakKeyDictionary()
 
 
-def made_from(graph: fx.Graph, structure: str) -> None:
-    """Register ``structure`` as the hash of what deterministically made ``graph`` (the
-    capture's :attr:`kopt.repeated.Repeated.structure`), for :func:`fingerprint` to take while
-    ``graph`` is unchanged."""
-    _MADE_FROM[graph] = (structure, _parts(graph))
+def made_from(graph: fx.Graph, fingerprint: str) -> None:
+    """Register ``fingerprint`` (:func:`fingerprint_of`) as that of ``graph``, for
+    :func:`fingerprint` to take while ``graph`` is unchanged."""
+    _MADE_FROM[graph] = (fingerprint, _parts(graph))
 
 
 def _registered(graph: fx.Graph) -> str | None:

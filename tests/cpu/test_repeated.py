@@ -10,7 +10,7 @@ from torch import fx, nn
 import kopt.graph.serialize as serialize
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
-from kopt.graph import module_path
+from kopt.graph import attr, module_path
 from kopt.graph.serialize import fingerprint
 from kopt.models import build
 from kopt.passes import FP8Config, PassConfig
@@ -138,6 +138,88 @@ def test_the_fingerprint_hashes_what_made_the_graph_until_it_is_edited(monkeypat
     relu = next(n for n in a.gm.graph.nodes if n.target is torch.ops.aten.relu.default)
     relu.target = torch.ops.aten.sigmoid.default
     assert fingerprint(a.gm) != first and encoded == [len(a.gm.graph.nodes)]
+
+
+def test_the_graph_is_made_when_first_read_and_named_before():
+    """A capture of repeated blocks makes its graph (the outer trace decomposed, every block
+    inlined) when it is first read; before that, its fingerprint, its tensors by name and its
+    module's training flag are what the made graph gives."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    cap = capture_module(_Stack([_Block(8) for _ in range(4)]), (x,))
+    assert not cap.made
+    before = cap.fingerprint()
+    training = cap.training
+    names = [f"blocks.{i}.lin.weight" for i in range(4)] + ["inp.weight"]
+    tensors = {n: cap.tensor(n) for n in names}
+    assert not cap.made
+    gm = cap.gm
+    assert cap.made and fingerprint(gm) == before and gm.training == training
+    reads = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert set(names) <= reads
+    assert all(tensors[n] is attr(gm, n) for n in names)
+    assert all(cap.tensor(n) is attr(gm, n) for n in reads)
+
+
+def test_a_capture_whose_blocks_cannot_be_inlined_is_made_whole(monkeypatch):
+    """Where inlining the traced blocks fails when the graph is made (an argument laid out
+    otherwise after the decompositions), the model is exported whole then: the same graph as
+    a whole-model capture, no repeated blocks reported, and the fingerprint named before."""
+    import kopt.capture as capture
+    from kopt.repeated import NotRepeatable
+
+    torch.manual_seed(0)
+    model, x = _Stack([_Block(8) for _ in range(3)]), torch.randn(4, 8)
+    cap = capture_module(model, (x,))
+    before = cap.fingerprint()
+
+    def fails(*args: object) -> None:
+        raise NotRepeatable("a call's argument is laid out otherwise")
+
+    monkeypatch.setattr(capture, "instantiate", fails)
+    gm = cap.gm
+    assert cap.repeated is None and fingerprint(gm) == before
+    assert _structure(gm) == _structure(capture_module(model, (x,), repeated=False).gm)
+
+
+def test_before_the_graph_is_made_the_outputs_are_the_models_forward():
+    """What a warm start's check compares against: the model run on the flat inputs, the same
+    leaves as the made graph's, and no graph made for them."""
+    from kopt.verify import random_inputs, run_flat
+
+    w = build("qwen-image-tiny", dtype=torch.float32)
+    cap = capture_module(w.model, w.args, w.kwargs)
+    inputs = random_inputs(cap.example_inputs, 0)
+    eager = cap.outputs(inputs)
+    assert not cap.made
+    graph = run_flat(cap.gm, inputs)
+    assert cap.made and cap.outputs(inputs)[0].equal(graph[0])  # the graph's, once made
+    assert len(eager) == len(graph) > 0
+    for a, b in zip(eager, graph, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_warm_start_on_the_meta_device_never_makes_the_captured_graph(tmp_path):
+    """The optimized graph is restored over the model's own tensors; the report counts the
+    captured graph's ops as the recording run did."""
+    from kopt.kb import KnowledgeBase, using
+
+    kb = KnowledgeBase.open(tmp_path / "kb.sqlite")
+    config = PassConfig(fp8=FP8Config(), fuse_allreduce_norm=False)
+    reports, caps = [], []
+    for _ in range(2):
+        w = build("qwen-image-tiny", device="meta", dtype=torch.bfloat16)
+        cap = capture_module(w.model, w.args, w.kwargs)
+        with using(kb):
+            reports.append(optimize_captured(cap, config, VerifyOptions(enabled=False), None,
+                                             w.name, 0.0).report)
+        caps.append(cap)
+    cold, hit = reports
+    assert caps[0].made and not cold.warm
+    assert not caps[1].made and hit.warm and hit.applied == cold.applied
+    assert hit.nodes_captured == cold.nodes_captured == sum(
+        1 for n in caps[1].gm.graph.nodes if n.op == "call_function")
 
 
 def test_blocks_with_different_attributes_are_not_grouped():
