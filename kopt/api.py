@@ -26,6 +26,7 @@ from kopt.capture import (
 from kopt.cudagraphs import (
     CudaGraphRunner,
     NotCapturable,
+    memory_pool,
     not_capturable,
     pool_bytes,
     replay_region,
@@ -420,10 +421,10 @@ class OptimizedModule:
                 self._refresh_report(spec)
             return gm(*flat)
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        out, captured = run_from_graph(spec, gm, flat, self.cuda_graphs is True, self._pool)
+            self._pool = memory_pool()
+        out, captured = run_from_graph(spec, gm, flat, self.cuda_graphs is True, self._pool.id)
         if captured:
-            held = pool_bytes(self._pool)
+            held = pool_bytes(self._pool.id)
             for other in self._specs.values():  # one pool: every report gives what it holds
                 other.pool_mib = None if held is None else held / 2**20
                 self._refresh_report(other)
@@ -524,7 +525,7 @@ class OptimizedModule:
         """What this module holds now, by kind (:mod:`kopt.memory`): the model's weights its
         graphs read, packed constants, hoisted caches, the CUDA-graph pool, and the model's
         weights only the original model reads."""
-        pool = pool_bytes(self._pool) if self._pool is not None else None
+        pool = pool_bytes(self._pool.id) if self._pool is not None else None
         return memory_held(self.original, self._graphs(), pool, host=self._host.nbytes)
 
     def clear_caches(self) -> None:

@@ -65,7 +65,7 @@ from kopt.api import (
     run_from_graph,
 )
 from kopt.capture import capture_dynamo
-from kopt.cudagraphs import pool_bytes
+from kopt.cudagraphs import memory_pool, pool_bytes
 from kopt.errors import CaptureError, KoptError
 from kopt.memory import memory_held, tensors_read
 from kopt.offload import HostCopies, holder, releasing
@@ -339,8 +339,8 @@ _POOLS: dict[int, Any] = {}
 def _pool(device: torch.device) -> Any:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
+        _POOLS[index] = memory_pool(index)
+    return _POOLS[index].id
 
 
 class Runner:

@@ -200,9 +200,20 @@ def _static_copy(a: Any) -> Any:
     return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
 
 
+def memory_pool(device: int | None = None) -> Any:
+    """A CUDA-graph memory pool of ``device`` (the current one by default) that lives as long as
+    the object returned (pass its ``id`` to the captures). A bare
+    ``torch.cuda.graph_pool_handle()`` counts only the graphs captured into it: once they are
+    freed while a tensor they made is still held, a new capture into that handle hits the
+    caching allocator's internal assert (``use_count > 0``). The object holds a count of its
+    own."""
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        return torch.cuda.MemPool()
+
+
 def pool_bytes(pool: Any) -> int | None:
-    """Bytes the caching allocator holds in the CUDA-graph memory pool ``pool`` (a
-    ``torch.cuda.graph_pool_handle()``), from its segments; None where the allocator's snapshot
+    """Bytes the caching allocator holds in the CUDA-graph memory pool ``pool`` (the ``id`` of
+    a :func:`memory_pool`), from its segments; None where the allocator's snapshot
     does not name segments' pools."""
     total, named = 0, False
     for segment in torch.cuda.memory_snapshot():

@@ -132,3 +132,24 @@ def test_the_backend_replays_from_cuda_graphs_by_default(inner: str) -> None:
         "\n".join(map(str, reports))
     for i, (a, b) in enumerate(zip(graphed, plain, strict=True)):
         assert torch.equal(a, b), f"call {i}"
+
+
+def test_a_memory_pool_outlives_the_graphs_captured_into_it():
+    """Every graph the backend captures in a process shares one pool. Once the graphs captured
+    into it are freed while a tensor one made is still held (a report, an output), the next
+    capture into it must still work: with a bare ``torch.cuda.graph_pool_handle()`` the caching
+    allocator asserts (``use_count > 0``), which turned CUDA graphs off for a later model."""
+    import gc
+
+    from kopt.cudagraphs import capture_graph, memory_pool
+
+    pool = memory_pool()
+    x = torch.randn(4096, device="cuda")
+    graph, kept = capture_graph(lambda: x * 2, pool.id)
+    graph.replay()
+    del graph
+    gc.collect()
+    graph, out = capture_graph(lambda: x + 1, pool.id)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x + 1) and torch.equal(kept, x * 2)
