@@ -119,7 +119,7 @@ class Captured:
     def outputs(self, inputs: list[Any]) -> list[Any]:
         """The flat outputs of the captured computation on the flat ``inputs``: the graph's,
         or, while it is not made, the model's own forward (the ops the graph traced, run
-        eagerly), which makes no graph."""
+        eagerly; a model in eval mode without hooks), which makes no graph."""
         with torch.no_grad():
             if self._gm is None and self._model is not None:
                 args, kwargs = pytree.tree_unflatten(list(inputs), self.in_spec)
@@ -247,8 +247,13 @@ def _made_later(model: torch.nn.Module, args: tuple, kwargs: dict, flat: list[An
             made_from(module.graph, fp)
         return module, made
 
+    # the model's forward stands for the graph only where it runs nothing the graph does not:
+    # no hooks (an offloading hook moves weights), no training-mode randomness
+    plain = not model.training and not any(
+        m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     return Captured(None, ep.call_spec.in_spec, ep.call_spec.out_spec, flat, "export",
-                    blocks.repeated, make=make, fingerprint=fp, tensors=tensor, model=model)
+                    blocks.repeated, make=make, fingerprint=fp, tensors=tensor,
+                    model=model if plain else None)
 
 
 def _traces_fingerprint(blocks: Blocks, ep: torch.export.ExportedProgram,

@@ -198,6 +198,11 @@ def test_before_the_graph_is_made_the_outputs_are_the_models_forward():
     for a, b in zip(eager, graph, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a hook may do what the graph does not (move weights): the graph is made instead
+    w.model.register_forward_pre_hook(lambda *a: None)
+    hooked = capture_module(w.model, w.args, w.kwargs)
+    hooked.outputs(inputs)
+    assert hooked.made
 
 
 def test_a_warm_start_on_the_meta_device_never_makes_the_captured_graph(tmp_path):
