@@ -204,9 +204,9 @@ def memory_pool(device: int | None = None) -> Any:
     """A CUDA-graph memory pool of ``device`` (the current one by default) that lives as long as
     the object returned (pass its ``id`` to the captures). A bare
     ``torch.cuda.graph_pool_handle()`` counts only the graphs captured into it: once they are
-    freed while a tensor they made is still held, a new capture into that handle hits the
-    caching allocator's internal assert (``use_count > 0``). The object holds a count of its
-    own."""
+    freed while a tensor they made is still held, a new capture into that handle can meet the
+    caching allocator's internal assert (``use_count > 0``; seen in the full GPU suite, this
+    cause not yet reproduced alone). The object holds a count of its own."""
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         return torch.cuda.MemPool()
 
