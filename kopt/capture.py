@@ -43,6 +43,7 @@ from kopt.repeated import (
     trace_blocks,
     trace_with_stand_ins,
 )
+from kopt.verify import run_flat
 
 log = logging.getLogger("kopt")
 
@@ -120,11 +121,11 @@ class Captured:
         """The flat outputs of the captured computation on the flat ``inputs``: the graph's,
         or, while it is not made, the model's own forward (the ops the graph traced, run
         eagerly; a model in eval mode without hooks), which makes no graph."""
-        with torch.no_grad():
-            if self._gm is None and self._model is not None:
-                args, kwargs = pytree.tree_unflatten(list(inputs), self.in_spec)
+        if self._gm is None and self._model is not None:
+            args, kwargs = pytree.tree_unflatten(list(inputs), self.in_spec)
+            with torch.no_grad():
                 return pytree.tree_leaves(self._model(*args, **kwargs))
-            return pytree.tree_leaves(self.gm(*inputs))
+        return run_flat(self.gm, inputs)
 
     @property
     def training(self) -> bool:

@@ -33,9 +33,9 @@ class TwoScales(nn.Module):
 
 
 class _Manager(PassManager):
-    def __init__(self, rewrite: PatternRewrite) -> None:
+    def __init__(self, rewrite: PatternRewrite, verify: VerifyOptions = VerifyOptions()) -> None:
         super().__init__(PassConfig(cse=False, merge_projections=False, fold_constants=False),
-                         VerifyOptions())
+                         verify)
         self.passes = [RewritePass("under_test", [rewrite])]
 
 
@@ -270,7 +270,8 @@ def pytree_leaves(tree):  # noqa: ANN001, ANN201
 
 def test_a_reference_that_cannot_run_reverts_without_bisecting(monkeypatch) -> None:  # noqa: ANN001
     """When the fp64 reference itself fails (out of memory on a full-size model), no site can
-    be judged: all sites are reverted at once, the report says why, nothing is bisected."""
+    be judged: all sites are reverted at once, the report says why, nothing is bisected. (A
+    rewrite whose outputs are the graph before's needs no fp64 run: ``fp64=True`` runs it.)"""
     import kopt.verify as verify
 
     calls = []
@@ -286,13 +287,19 @@ def test_a_reference_that_cannot_run_reverts_without_bisecting(monkeypatch) -> N
     model = TwoScales().eval()
     x = torch.randn(3, 6)
     cap = capture_module(model, (x,))
-    gm, (result,) = _Manager(same).run(cap.gm, cap.example_inputs)
+    gm, (result,) = _Manager(same, VerifyOptions(fp64=True)).run(cap.gm, cap.example_inputs)
     assert len(calls) == 1  # one attempt, no bisection
     assert result.matched == 0 and len(result.reverted) == 2
     assert result.verdict is not None and not result.verdict.passed
     assert result.verdict.unverifiable and "could not be computed" in result.verdict.detail
     assert "OutOfMemoryError" in result.verdict.detail and "more" not in result.verdict.detail
     assert torch.equal(gm(x)[0], model(x))
+    # by default the check sees the outputs unchanged and runs no fp64 graph
+    calls.clear()
+    gm, (result,) = _Manager(same).run(cap.gm, cap.example_inputs)
+    assert not calls and result.matched == 2 and result.verdict.passed
+    assert "outputs equal to the graph before's" in result.verdict.detail
+    assert "no fp64 run" in result.verdict.detail
 
 
 def test_fp64_reference_quantizes_weights_the_models_way() -> None:
@@ -327,7 +334,8 @@ def test_fp64_reference_quantizes_weights_the_models_way() -> None:
     assert ref.dtype == torch.float64
 
 
-def _verified_pipeline(monkeypatch, keep: bool) -> tuple[list, list, dict[str, int]]:  # noqa: ANN001
+def _verified_pipeline(monkeypatch, keep: bool, every_fp64: bool = True  # noqa: ANN001
+                       ) -> tuple[list, list, dict[str, int]]:
     """The FP8 pipeline on FLUX.2 tiny, verified on two seeds, counting the graphs run."""
     import kopt.verify as verify
     from kopt.models import build
@@ -358,7 +366,8 @@ def _verified_pipeline(monkeypatch, keep: bool) -> tuple[list, list, dict[str, i
 
     monkeypatch.setattr(verify.Baseline, "accept", checked_accept)
     config = PassConfig(fuse_allreduce_norm=False, fp8=FP8Config(min_features=16))
-    gm, results = PassManager(config, VerifyOptions(seeds=(0, 1))).run(cap.gm, cap.example_inputs)
+    gm, results = PassManager(config, VerifyOptions(seeds=(0, 1), fp64=every_fp64)).run(
+        cap.gm, cap.example_inputs)
     verdicts = [(r.name, r.matched, r.verdict.passed if r.verdict else None,
                  r.verdict.tier if r.verdict else None) for r in results]
     outputs = run_flat(gm, random_inputs(cap.example_inputs, 3))
@@ -380,6 +389,18 @@ def test_checks_reuse_the_accepted_graphs_outputs_and_fp64_runs(monkeypatch) -> 
     # the captured graph's fp64 run, and the FP8 graph's: two per seed
     assert runs["fp64"] == 4 < runs_again["fp64"]
     assert runs["graph"] < runs_again["graph"]
+
+
+def test_tolerance_checks_near_the_graph_before_run_no_fp64_graph(monkeypatch) -> None:  # noqa: ANN001
+    """By default a tolerance check whose outputs lie close enough to the graph before's to
+    pass at any fp64 error runs no fp64 graph: the same verdicts and optimized graph as with
+    every fp64 run (``fp64=True``), with fewer of them."""
+    every, out, runs = _verified_pipeline(monkeypatch, keep=True, every_fp64=True)
+    monkeypatch.undo()
+    fewer, out_fewer, runs_fewer = _verified_pipeline(monkeypatch, keep=True, every_fp64=False)
+    assert [v[:3] for v in every] == [v[:3] for v in fewer]
+    assert all(torch.equal(a, b) for a, b in zip(out, out_fewer, strict=True))
+    assert runs_fewer["fp64"] < runs["fp64"]
 
 
 def test_kept_outputs_are_copies_where_the_graph_writes_state() -> None:
@@ -410,11 +431,13 @@ def test_kept_outputs_are_copies_where_the_graph_writes_state() -> None:
     assert compare(first, copy_graph_module(gm), example, exact("a copy"), options, base).passed
 
 
-def test_a_bounded_check_after_another_runs_no_fp64_graph(monkeypatch) -> None:  # noqa: ANN001
-    """Two FP8 rounds in a row (``fp8``, then ``fp8_large``): the second reports the model's
-    output error against the fp64 run of the captured graph's function, kept from the first,
-    instead of an fp64 run of the graph the first left; each site is still checked on its own
-    fp64 computation."""
+@pytest.mark.parametrize("fp64", [True, False])
+def test_a_bounded_check_after_another_runs_no_fp64_graph(monkeypatch, fp64) -> None:  # noqa: ANN001
+    """Two FP8 rounds in a row (``fp8``, then ``fp8_large``): with ``fp64``, the second reports
+    the model's output error against the fp64 run of the captured graph's function, kept from
+    the first, instead of an fp64 run of the graph the first left; by default neither runs an
+    fp64 graph and both report how far the captured graph's outputs moved. Each site is still
+    checked on its own fp64 computation."""
     import kopt.verify as verify
     from kopt.passes import FP8Config
     from kopt.patterns.fp8 import fp8_linear
@@ -427,7 +450,7 @@ def test_a_bounded_check_after_another_runs_no_fp64_graph(monkeypatch) -> None: 
     monkeypatch.setattr(verify, "run_fp64",
                         lambda gm, inputs: fp64_runs.append(gm) or real(gm, inputs))
     rewrite = RewritePass("fp8", [fp8_linear(FP8Config(min_features=16), large=False)])
-    options = VerifyOptions(seeds=(0, 1))
+    options = VerifyOptions(seeds=(0, 1), fp64=fp64)
     baseline = verify.Baseline(cap.gm, cap.example_inputs)
     graphs, verdicts = [cap.gm], []
     sites = [n.name for n in cap.gm.graph.nodes if "linear" in str(n.target)]
@@ -441,9 +464,47 @@ def test_a_bounded_check_after_another_runs_no_fp64_graph(monkeypatch) -> None: 
         baseline.accept(cand, rewrite.numerics)
         graphs.append(cand)
     assert all(v.passed and v.tier == "bounded" for v in verdicts), verdicts
-    assert fp64_runs == [cap.gm, cap.gm]  # one per seed, in the first round only
-    # both rounds: the error against the captured graph's fp64 run, and that graph's own
-    original = [v.detail.split("(original ")[1].split(")")[0] for v in verdicts]
-    assert original[0] == original[1]
+    assert all("site error" in v.detail for v in verdicts)
+    if fp64:
+        assert fp64_runs == [cap.gm, cap.gm]  # one per seed, in the first round only
+        # both rounds: the error against the captured graph's fp64 run, and that graph's own
+        original = [v.detail.split("(original ")[1].split(")")[0] for v in verdicts]
+        assert original[0] == original[1]
+    else:
+        assert fp64_runs == []
+        assert all("from the captured graph's" in v.detail for v in verdicts)
     first, second = (float(v.detail.split("model output ")[1].split(" ")[0]) for v in verdicts)
     assert second > first  # two linears in FP8 move the output further than one
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_near_enough_never_passes_what_the_fp64_check_fails(dtype) -> None:
+    """Wherever :func:`near_enough` passes a check without the fp64 run, the full criterion
+    holds: outputs moved by just under its distance, in the direction that hurts most (away
+    from the fp64 values) and at random, from originals of every accuracy."""
+    from kopt.verify import near_enough, relative_error
+
+    gen = torch.Generator().manual_seed(0)
+    floor, factor = RTOL_FLOOR[dtype], 2.0
+    limit = (factor - 1) * floor / (1 + floor)
+    passed = 0
+    for e_b in (0.0, floor / 10, floor, 3 * floor, 0.3):
+        ref = torch.randn(4096, generator=gen, dtype=torch.float64)
+        noise = torch.randn(4096, generator=gen, dtype=torch.float64)
+        before = (ref + e_b * ref.norm() * noise / noise.norm()).to(dtype)
+        away = before.double() - ref
+        for direction in (away if away.norm() > 0 else noise,
+                          torch.randn(4096, generator=gen, dtype=torch.float64)):
+            for t in (0.5, 0.97, 1.5):
+                after = (before.double() + t * limit * before.double().norm()
+                         * direction / direction.norm()).to(dtype)
+                d = near_enough([after], [before], factor)
+                if d is None:
+                    continue
+                passed += 1
+                err_before = max(relative_error(before, ref), floor)
+                assert relative_error(after, ref) <= factor * err_before
+                assert d <= limit
+    assert passed >= 10  # the path was taken, not skipped everywhere
+    assert near_enough([before * 2], [before], factor) is None
+    assert near_enough([torch.full_like(before, float("nan"))], [before], factor) is None
