@@ -17,15 +17,17 @@ Each pass declares a numerics tier (:class:`kopt.patterns.core.Numerics`):
   model's output error is reported, not bounded: how much a network amplifies a per-GEMM error
   is the network's property, and an end-to-end bound would accept or reject the same rewrite
   depending on where in the model it sits. It is reported against the fp64 run of the captured
-  graph's function where that was kept (how far the passes so far moved the model from exact
-  arithmetic), so a bounded check after another runs no fp64 graph.
+  graph's function where an earlier check kept one (how far the passes so far moved the model
+  from exact arithmetic), else against the captured graph's outputs: a bounded check runs no
+  fp64 graph of the model only to report.
 
 A ``tolerance`` check runs no fp64 graph where it cannot fail: if every output of the rewritten
 graph lies within ``d`` (relative) of the graph before's, with ``d <= (factor - 1) f / (1 + f)``
 for the output dtype's floor ``f``, the criterion above holds whatever the fp64 run would give
-(:func:`near_enough`). An fp64 run of a full model costs seconds on a GPU (W1: about 3 s; every
-GEMM in fp64), while a merge or a bias moved into an epilogue usually changes the outputs by a
-rounding or not at all. ``VerifyOptions(fp64=True)`` runs it anyway.
+(:func:`near_enough`). An fp64 run of a full model costs seconds on a GPU (every GEMM in fp64),
+while a merge usually leaves the outputs as they were. After an FP8 pass a rounding moved
+anywhere flips quantizations downstream, and the first tolerance check there usually needs the
+fp64 run (kept for the checks after it). ``VerifyOptions(fp64=True)`` runs it every time.
 
 The pipeline checks each pass against a :class:`Baseline`: the outputs the graph before it
 gave when it was itself checked, and an fp64 run kept until a ``bounded`` pass changes the
