@@ -145,8 +145,12 @@ class Report:
             status = "off (nothing was checked)" if self.applied else "not needed"
         else:
             status = "passed" if self.verified else "FAILED (failing rewrites were reverted)"
+        checks = sum(r.check_seconds for r in self.passes)
+        took = (f" ({checks:.1f} s of checks, {sum(r.seconds for r in self.passes):.1f} s of "
+                f"rewriting)" if checks else "")
         out.append(f"summary: {len(self.passes)} passes, {self.applied} rewrites applied, "
-                   f"{sum(len(r.reverted) for r in self.passes)} reverted; verification {status}")
+                   f"{sum(len(r.reverted) for r in self.passes)} reverted; verification "
+                   f"{status}{took}")
         out += self.runtime
         return "\n".join(out)
 
@@ -668,7 +672,7 @@ def optimize(
     kwargs: dict | None = None,
     config: PassConfig = PassConfig(),
     *,
-    verify: VerifyOptions = VerifyOptions(),
+    verify: VerifyOptions | bool = VerifyOptions(),
     dump_dir: str | Path | None = None,
     cuda_graphs: CudaGraphs = "auto",
     cost: CostModel | None = None,
@@ -682,6 +686,9 @@ def optimize(
     model cannot be captured (the model is left as it was). ``cost``: a
     ``kopt.cost.CostModel``; the passes are then ranked by predicted time saved
     (``report.ranking``) and a pass predicted to lose on this workload is not applied.
+
+    ``verify``: a :class:`kopt.verify.VerifyOptions` (seeds, fp64 runs), or a bool for the
+    default seeds or none.
 
     ``cuda_graphs``: ``"auto"`` replays each input signature's forward from a CUDA graph when
     its inputs are on a CUDA device and the graph can be captured (no host sync, no host tensor
@@ -700,6 +707,7 @@ def optimize(
                       "batch-norm statistics are traced as in training; call model.eval() first",
                       stacklevel=2)
     cuda_graphs = _check_cuda_graphs(cuda_graphs)
+    verify = _check_verify(verify)
     if bring_back([*model.parameters(), *model.buffers()]):
         warnings.warn("kopt: this model's weights that an earlier kopt.optimize moved to host "
                       "memory are back on the device for good (keep_original=True keeps them "
@@ -726,6 +734,15 @@ def _check_cuda_graphs(value: Any) -> CudaGraphs:
     if value is True or value is False or value == "auto":
         return value
     raise ValueError(f"cuda_graphs must be 'auto', True or False, got {value!r}")
+
+
+def _check_verify(value: Any) -> VerifyOptions:
+    if isinstance(value, VerifyOptions):
+        return value
+    if value is True or value is False:
+        return VerifyOptions(enabled=value)
+    raise TypeError(f"verify must be a bool or a kopt.verify.VerifyOptions, got "
+                    f"{type(value).__name__}")
 
 
 def _will_replay(cuda_graphs: CudaGraphs, flat: Sequence[Any]) -> bool:

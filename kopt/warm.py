@@ -482,7 +482,8 @@ class WarmStart:
         s.used.append(line.removeprefix("warm start: "))
         s.last_workload, s.last_device = self.workload, self.device
         log.debug("kopt: %s", line)  # the report prints it
-        passes = [replace(r, seconds=0.0, from_kb=record.entry_id) for r in stored.passes]
+        passes = [replace(r, seconds=0.0, check_seconds=0.0, from_kb=record.entry_id)
+                  for r in stored.passes]
         return gm, passes, stored.pipeline_uuid, line, outputs, stored.captured_nodes
 
     def record(self, captured: Captured, gm: fx.GraphModule, passes: Sequence[PassResult],

@@ -107,11 +107,13 @@ def main() -> None:
         prof.disable()
     t3 = time.perf_counter()
     rep = f", {cap.repeated.describe()}" if cap.repeated else ""
+    checks = sum(r.check_seconds for r in spec.report.passes)
     print(f"{w.name}: capture {t1 - t0:.1f} s ({len(cap.gm.graph.nodes)} nodes{rep}), optimize "
           f"{t3 - t2:.1f} s ({spec.report.applied} rewrites, {len(spec.gm.graph.nodes)} nodes "
           f"left, {type(spec.gm).__mro__[1].__name__}; verification "
           f"{'on ' + str(args.verify) + ' seeds' if args.verify else 'off'}, "
-          f"{'passed' if spec.report.verified else 'FAILED'})")
+          f"{'passed' if spec.report.verified else 'FAILED'}"
+          f"{f', {checks:.1f} s of checks' if checks else ''})")
     if spec.report.warm:
         print(f"{w.name}: {spec.report.warm}")
     if args.device != "meta":

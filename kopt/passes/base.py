@@ -39,6 +39,7 @@ class PassResult:
     verdict: Verdict | None = None
     reverted: tuple[str, ...] = ()  # sites undone because they failed verification
     from_kb: str = ""  # the knowledge-base entry this result was restored from (kopt.warm)
+    check_seconds: float = 0.0  # its verification's, bisection included (``seconds``: the pass's)
 
 
 def count_nodes(gm: fx.GraphModule) -> int:

@@ -195,6 +195,7 @@ class PassManager:
                      result.matched, result.seconds,
                      f"; verifying on {len(self.verify.seeds)} seeds"
                      if result.matched and self.verify.enabled else "")
+            checked = time.perf_counter()
             if result.matched and self.verify.enabled:
                 verdict = compare(gm, candidate, example_inputs, p.numerics, self.verify,
                                   baseline)
@@ -208,7 +209,8 @@ class PassManager:
             forget_sites(candidate)
             if baseline is not None:
                 baseline.accept(candidate, p.numerics)
-            result = replace(result, verdict=verdict)
+            result = replace(result, verdict=verdict, check_seconds=time.perf_counter() - checked
+                             if verdict is not None else 0.0)
             log.debug("%s", format_pass_line(result))
             results.append(result)
             gm = candidate
@@ -339,6 +341,8 @@ class PassManager:
 
 def format_pass_line(r: PassResult) -> str:
     verdict = str(r.verdict) if r.verdict else ("not verified" if r.matched else "-")
+    check = f" + check {r.check_seconds:.2f} s" if r.check_seconds else ""
     return (f"{r.name:<20} matched {r.matched:>4}  rejected {sum(r.rejected.values()):>4}  "
-            f"nodes {r.nodes_before:>5} -> {r.nodes_after:<5} {r.seconds:7.2f} s  {verdict}"
+            f"nodes {r.nodes_before:>5} -> {r.nodes_after:<5} {r.seconds:7.2f} s{check}  "
+            f"{verdict}"
             + (f"  [from KB {r.from_kb}]" if r.from_kb else ""))

@@ -508,3 +508,33 @@ def test_near_enough_never_passes_what_the_fp64_check_fails(dtype) -> None:
     assert passed >= 10  # the path was taken, not skipped everywhere
     assert near_enough([before * 2], [before], factor) is None
     assert near_enough([torch.full_like(before, float("nan"))], [before], factor) is None
+
+
+def test_the_report_gives_each_checks_time_apart_from_its_pass() -> None:
+    """A verified pass's line gives its check's seconds beside its own; the summary adds them
+    up; a pass with nothing to check and an unverified run have none."""
+    import kopt
+
+    class Projections(nn.Module):  # three projections of one input: merged, then packed
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) + self.k(x) * self.v(x)
+
+    w = Projections().eval()
+    x = torch.randn(4, 16)
+    report = kopt.optimize(w, (x,)).report
+    checked = [r for r in report.passes if r.verdict is not None]
+    assert checked and all(r.check_seconds > 0 for r in checked)
+    assert all(r.check_seconds == 0 for r in report.passes if r.verdict is None)
+    text = str(report)
+    for r in checked:
+        assert f"+ check {r.check_seconds:.2f} s" in text
+    assert f"{sum(r.check_seconds for r in checked):.1f} s of checks" in text
+    quiet = kopt.optimize(w, (x,), verify=False).report
+    assert all(r.check_seconds == 0 for r in quiet.passes) and "s of checks" not in str(quiet)
+    assert "verification off" in str(quiet)
+    with pytest.raises(TypeError, match="verify must be a bool or a kopt.verify.VerifyOptions"):
+        kopt.optimize(w, (x,), verify=3)
