@@ -71,6 +71,7 @@ class Report:
     runtime: list[str] = field(default_factory=list)
     repeated: str = ""  # repeated blocks traced once (kopt.repeated), for the capture line
     warm: str = ""  # how the graph was restored from the knowledge base (kopt.warm), if it was
+    verified_on: str = ""  # where the passes were checked, where not on the captured graph
 
     @property
     def verified(self) -> bool:
@@ -151,6 +152,8 @@ class Report:
         out.append(f"summary: {len(self.passes)} passes, {self.applied} rewrites applied, "
                    f"{sum(len(r.reverted) for r in self.passes)} reverted; verification "
                    f"{status}{took}")
+        if self.verified_on:
+            out.append(f"verification: {self.verified_on}")
         out += self.runtime
         return "\n".join(out)
 
@@ -649,17 +652,21 @@ def optimize_captured(captured: Captured, config: PassConfig, verify: VerifyOpti
             repeated=repeated, warm=line))
         spec.outputs = outputs
         return spec
+    # before the whole graph is made: the cut is made from the same traces
+    shallow = captured.shallow(verify.blocks) if (
+        verify.enabled and verify.blocks is not None and cost is None) else None
     nodes = captured_ops(captured.gm)
     repeated = captured.repeated.describe() if captured.repeated else ""  # as made
     log.info("kopt: captured %d nodes in %.2f s; running %d passes", nodes, capture_seconds,
              len(manager.passes))
     gm, results = manager.run(captured.gm, captured.example_inputs,
-                              workload=warm.workload if warm is not None else None)
+                              workload=warm.workload if warm is not None else None,
+                              shallow=shallow)
     uuid = manager.uuid()
     if warm is not None:
         warm.record(captured, gm, results, verify, uuid, outputs=manager.end_to_end)
     report = Report(name, captured.source, capture_seconds, nodes, results, uuid,
-                    manager.ranking, repeated=repeated)
+                    manager.ranking, repeated=repeated, verified_on=manager.verified_on)
     spec = _Specialization(captured, gm, report)
     if manager.end_to_end is not None:
         spec.outputs = manager.end_to_end[0]

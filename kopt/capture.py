@@ -20,6 +20,7 @@ import logging
 import os
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,10 +35,12 @@ from kopt.graph.serialize import fingerprint, fingerprint_of, made_from
 from kopt.graph.splice import _LAZY
 from kopt.repeated import (
     Blocks,
+    Cut,
     NotRepeatable,
     Repeated,
     block_tensors,
     calls_of,
+    cut_repeats,
     instantiate,
     outline_dynamo_blocks,
     trace_blocks,
@@ -53,6 +56,14 @@ log = logging.getLogger("kopt")
 # guards check their sizes and strides, which the views of a packed buffer keep).
 SOURCE_KEY = "kopt_capture_source"
 MODEL_SOURCES = ("export", "dynamo")
+
+
+@dataclass
+class Shallow:
+    """The captured graph of a model cut to its first blocks (:meth:`Captured.shallow`)."""
+
+    gm: fx.GraphModule
+    cut: Cut
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _KOPT_DIR = os.path.dirname(__file__)
@@ -73,7 +84,8 @@ class Captured:
                  make: Callable[[], tuple[fx.GraphModule, Repeated | None]] | None = None,
                  fingerprint: str | None = None,
                  tensors: Callable[[str], torch.Tensor | None] | None = None,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None,
+                 shallow: Callable[[int], Shallow | None] | None = None) -> None:
         if (gm is None) == (make is None):
             raise ValueError("a capture has its graph or the means to make it, not both")
         self._gm = gm
@@ -81,6 +93,7 @@ class Captured:
         self._fingerprint = fingerprint
         self._tensors = tensors
         self._model = model
+        self._shallow = shallow
         self.in_spec = in_spec
         self.out_spec = out_spec
         self.example_inputs = example_inputs  # flat leaves of (args, kwargs), placeholder order
@@ -93,8 +106,16 @@ class Captured:
             gm, repeated = self._make()
             gm.meta[SOURCE_KEY] = self.source
             self._gm, self._make, self._tensors, self._model = gm, None, None, None
+            self._shallow = None
             self.repeated = repeated  # None where the model was exported whole after all
         return self._gm
+
+    def shallow(self, keep: int) -> Shallow | None:
+        """The captured graph of a model cut to its first ``keep`` blocks per repeated list
+        (:func:`kopt.repeated.cut_repeats`): what verification checks the passes on in place of
+        the whole model (:class:`kopt.verify.VerifyOptions`). None where no list could be cut,
+        the model was not captured in repeated blocks, or its graph was made already."""
+        return self._shallow(keep) if self._shallow is not None else None
 
     @property
     def made(self) -> bool:
@@ -248,13 +269,30 @@ def _made_later(model: torch.nn.Module, args: tuple, kwargs: dict, flat: list[An
             made_from(module.graph, fp)
         return module, made
 
+    def shallow(keep: int) -> Shallow | None:
+        with collector_skips_what_lives_already():
+            try:
+                with calls_of(registry):
+                    gm = ep.run_decompositions({}).module()
+                cut = cut_repeats(gm, registry, keep)
+                if cut is None:
+                    return None
+                instantiate(gm, registry, model, blocks)
+                module = _flat_module(gm)
+            except Exception as exc:  # noqa: BLE001 -- the whole model is then verified
+                log.info("kopt: no shallow model to verify on (%s: %s)", type(exc).__name__,
+                         (str(exc).strip().splitlines() or [""])[0][:200])
+                return None
+        module.meta[SOURCE_KEY] = "export"
+        return Shallow(module, cut)
+
     # the model's forward stands for the graph only where it runs nothing the graph does not:
     # no hooks (an offloading hook moves weights), no training-mode randomness
     plain = not model.training and not any(
         m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     return Captured(None, ep.call_spec.in_spec, ep.call_spec.out_spec, flat, "export",
                     blocks.repeated, make=make, fingerprint=fp, tensors=tensor,
-                    model=model if plain else None)
+                    model=model if plain else None, shallow=shallow)
 
 
 def _traces_fingerprint(blocks: Blocks, ep: torch.export.ExportedProgram,

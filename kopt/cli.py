@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                         "promotion, cuBLAS's default); default: fast")
     o.add_argument("--no-verify", action="store_true", help="skip verification (not advised)")
     o.add_argument("--seeds", type=int, default=3, help="verification seeds (default: 3)")
+    o.add_argument("--verify-blocks", default="2", metavar="N|all",
+                   help="check the passes on the model cut to its first N blocks per repeated "
+                        "list, then the whole model end to end (default: 2); all: check every "
+                        "pass on the whole model")
     o.add_argument("--explain", metavar="NODE", action="append", default=[],
                    help="say why a node (graph node name or module path such as "
                    "transformer_blocks.0.attn.to_q) was or was not rewritten")
@@ -178,12 +182,26 @@ _LEAST = {"bench": 0, "seeds": 1, "fp8_min_features": 0, "iters": 1, "top": 1, "
           "steady": 0}
 
 
+def _verify_blocks(args: argparse.Namespace) -> int | None:
+    value = getattr(args, "verify_blocks", "2")
+    if value == "all":
+        return None
+    try:
+        blocks = int(value)
+    except ValueError:
+        blocks = 0
+    if blocks < 1:
+        raise UsageError(f"--verify-blocks takes a count of blocks >= 1 or 'all', got {value!r}")
+    return blocks
+
+
 def _check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad arguments of optimize, profile and ablate before any work, each with a
     UsageError naming the option, the problem and what would be valid."""
     from kopt.models import MODEL_NAMES
 
     _check_device(args.device, args.dtype)
+    _verify_blocks(args)
     for name, least in _LEAST.items():
         value = getattr(args, name, None)
         if value is not None and value < least and not (name == "seeds" and args.no_verify):
@@ -455,7 +473,8 @@ def _optimized_with(args: argparse.Namespace, kb_session: Any):  # noqa: ANN202
 
     name, model, margs, mkwargs = _load_workload(args)
     config = _config(args)
-    verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
+    verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)),
+                           blocks=_verify_blocks(args))
     print(f"kopt {kopt.__version__}: optimizing {name}; torch {torch.__version__}, "
           f"{args.dtype} on {args.device}", flush=True)
     cost = None
@@ -586,7 +605,8 @@ def _ablate(args: argparse.Namespace) -> int:
     if off:
         raise UsageError(f"--pass {', '.join(off)}: not enabled (fp8 needs --fp8; "
                          "passes off by default need --enable)")
-    verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)))
+    verify = VerifyOptions(enabled=not args.no_verify, seeds=tuple(range(args.seeds)),
+                           blocks=_verify_blocks(args))
     print(f"kopt {kopt.__version__}: ablating {w.name}; torch {torch.__version__}, "
           f"{args.dtype} on {args.device}", file=sys.stderr, flush=True)
     try:

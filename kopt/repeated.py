@@ -695,3 +695,74 @@ def _replace(gm: fx.GraphModule, target: str, nodes: list[fx.Node], inputs: list
             moved[out] = item
     for node in reversed(nodes):
         gm.graph.erase_node(node)
+
+
+@dataclass
+class Cut:
+    """What :func:`cut_repeats` left of each repeated list: (list path, instances kept, of)."""
+
+    lists: list[tuple[str, int, int]]
+
+    def describe(self) -> str:
+        return ", ".join(f"{keep} of {n} {path}" for path, keep, n in self.lists)
+
+    @property
+    def kept(self) -> int:
+        return sum(keep for _, keep, _ in self.lists)
+
+    @property
+    def instances(self) -> int:
+        return sum(n for _, _, n in self.lists)
+
+
+def cut_repeats(gm: fx.GraphModule, registry: _Registry, keep: int) -> Cut | None:
+    """Keep the first ``keep`` calls of each repeated list in ``gm`` (the outer trace with its
+    stand-ins, before :func:`instantiate`), the outputs of the last one kept standing for the
+    last call's: a model as deep as ``keep`` blocks per list, on which the passes meet every
+    rewrite site a block holds (and the sites between two blocks) at a fraction of the cost.
+
+    A list is cut only where its calls form a chain: each call after the second reads the call
+    before it exactly as the second reads the first (the same outputs in the same places, every
+    other argument the same node), each call but the last is read only by the next one, and the
+    calls from the last kept on were traced alike. Returns what was cut, or None where nothing
+    could be (no list longer than ``keep`` that forms a chain)."""
+    ops = [n for n in gm.graph.nodes if n.target is torch.ops.kopt.repeated_block.default]
+    by_list: dict[str, list[fx.Node]] = {}
+    for op in ops:
+        by_list.setdefault(registry.paths[op.args[2]].rpartition(".")[0], []).append(op)
+    cut = []
+    for path, calls in by_list.items():
+        if len(calls) <= keep or not _chained(calls, keep):
+            continue
+        last, kept = calls[-1], calls[keep - 1]
+        for user in list(last.users):
+            user.args = (kept, *user.args[1:])
+        for op in reversed(calls[keep:]):
+            for user in list(op.users):
+                gm.graph.erase_node(user)
+            gm.graph.erase_node(op)
+        cut.append((path, keep, len(calls)))
+    if not cut:
+        return None
+    remove_dead_code(gm.graph)
+    return Cut(cut)
+
+
+def _chained(calls: list[fx.Node], keep: int) -> bool:
+    def reads(op: fx.Node, before: fx.Node) -> list[tuple]:
+        return [("out", x.args[1]) if isinstance(x, fx.Node) and x.target is operator.getitem
+                and x.args[0] is before else ("same", x) for x in op.args[0]]
+
+    pattern = reads(calls[1], calls[0])
+    if not any(kind == "out" for kind, _ in pattern):
+        return False
+    if any(reads(op, before) != pattern for before, op in zip(calls[1:], calls[2:], strict=False)):
+        return False
+    # only the next call reads a call's outputs
+    for op, after in zip(calls, calls[1:], strict=False):
+        if any(user.target is not operator.getitem or not set(user.users) <= {after}
+               for user in op.users):
+            return False
+    if any(user.target is not operator.getitem for user in calls[-1].users):
+        return False
+    return len({op.args[1] for op in calls[keep - 1:]}) == 1

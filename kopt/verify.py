@@ -71,11 +71,24 @@ class VerifyOptions:
     """``fp64``: run the fp64 reference in every check that has one, even where a ``tolerance``
     check passes without it (:func:`near_enough`) and where a ``bounded`` check would only
     report the model's output error with it; the report then gives every pass's error against
-    exact arithmetic (one fp64 run of the model per changed function and seed)."""
+    exact arithmetic (one fp64 run of the model per changed function and seed).
+
+    ``blocks``: check the passes on the model cut to this many blocks per repeated list
+    (:func:`kopt.repeated.cut_repeats`), then apply them to the whole model, which one run
+    checks end to end (:meth:`kopt.passes.PassManager.run`); W1's 60 blocks are then checked
+    as 2, and its checks' runs of the model cost a thirtieth. ``None`` checks every pass on the
+    whole model."""
 
     enabled: bool = True
     seeds: tuple[int, ...] = (0, 1, 2)
     fp64: bool = False
+    blocks: int | None = 2
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None and (isinstance(self.blocks, bool)
+                                        or not isinstance(self.blocks, int) or self.blocks < 1):
+            raise ValueError(f"VerifyOptions(blocks=...) takes a count of blocks >= 1 or None, "
+                             f"got {self.blocks!r}")
 
 
 def random_inputs(example: Sequence[Any], seed: int) -> list[Any]:
@@ -671,6 +684,50 @@ def near_enough(got: Sequence[Any], want: Sequence[Any], factor: float) -> float
             return None
         worst = max(worst, d)
     return worst
+
+
+# How much more the whole model's output may move from the captured graph's than its shallow
+# copy's did (:func:`end_to_end_problem`): errors that add up independently over 30 times the
+# blocks grow by sqrt(30) = 5.5.
+DEPTH_FACTOR = 10.0
+
+
+def end_to_end_problem(got: Sequence[Any], want: Sequence[Any],
+                       shallow: Sequence[float]) -> str | None:
+    """What is wrong with the whole optimized model's outputs ``got`` against the captured
+    graph's ``want`` on the same inputs, where the passes were verified on a shallow copy whose
+    outputs moved by ``shallow`` (relative, per output) from its captured graph's; None if
+    nothing. Outputs must have the shapes and dtypes of ``want``, be finite where ``want`` is,
+    equal where not floating, and within ``DEPTH_FACTOR`` x the shallow copy's error (at least
+    the dtype's floor, at most 1): a rewrite broken past the cut gives garbage there."""
+    if len(got) != len(want):
+        return f"{len(got)} outputs instead of {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if not (isinstance(w, torch.Tensor) and w.is_floating_point()):
+            problem = _bitwise_problem(g, w)
+            if problem:
+                return f"output {i}: {problem}"
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
+            return (f"output {i}: {getattr(g, 'dtype', type(g).__name__)}"
+                    f"{list(getattr(g, 'shape', []))} instead of {w.dtype}{list(w.shape)}")
+        finite = torch.isfinite(w)
+        if not bool(torch.isfinite(g)[finite].all()):
+            return f"output {i}: not finite where the captured graph's is"
+        err = relative_error(g[finite], w[finite])
+        base = shallow[i] if i < len(shallow) else 0.0
+        limit = min(1.0, DEPTH_FACTOR * max(base, RTOL_FLOOR.get(w.dtype, 1.3e-6)))
+        if not err <= limit:
+            return (f"output {i}: relative error {err:.3g} from the captured graph's > "
+                    f"{limit:.3g} ({DEPTH_FACTOR:g} x the shallow model's {base:.2g})")
+    return None
+
+
+def output_errors(got: Sequence[Any], want: Sequence[Any]) -> list[float]:
+    """Per output, ``got``'s relative error from ``want`` (0 where not floating)."""
+    return [relative_error(g, w) if isinstance(w, torch.Tensor) and w.is_floating_point()
+            and isinstance(g, torch.Tensor) and g.shape == w.shape else 0.0
+            for g, w in zip(got, want, strict=False)]
 
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -131,7 +131,8 @@ def key(captured: Captured, graph_fingerprint: str, manager: PassManager,
     pipeline = (repr(manager.config), tuple(p.name for p in manager.passes))
     parts = (FORMAT, kopt_build(), str(torch.__version__), triton_version, device,
              graph_fingerprint, str(captured.in_spec), signature, pipeline,
-             verify.enabled, tuple(verify.seeds), tuple(sorted(skipped)), cuda_graphs)
+             verify.enabled, tuple(verify.seeds), verify.blocks, tuple(sorted(skipped)),
+             cuda_graphs)
     text = repr(parts)
     if " at 0x" in text:  # an object's address: another process would never match
         at = text.index(" at 0x")

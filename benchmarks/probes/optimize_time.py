@@ -47,6 +47,9 @@ def main() -> None:
     p.add_argument("--device", default="meta")
     p.add_argument("--verify", type=int, default=0, metavar="SEEDS",
                    help="verify every pass on this many seeds (not on the meta device)")
+    p.add_argument("--verify-blocks", default="2", metavar="N|all",
+                   help="check the passes on the model cut to N blocks per repeated list "
+                        "(VerifyOptions.blocks; the default 2), or on the whole model (all)")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--profile", type=int, default=0, metavar="N")
     p.add_argument("--split", action="store_true",
@@ -86,7 +89,8 @@ def main() -> None:
     config = PassConfig(fuse_allreduce_norm=False)
     if args.fp8:
         config = config.replace(fp8=FP8Config())
-    verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))))
+    verify = VerifyOptions(enabled=args.verify > 0, seeds=tuple(range(max(args.verify, 1))),
+                           blocks=None if args.verify_blocks == "all" else int(args.verify_blocks))
     if args.backend:
         with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext():
             compiled_first_call(w, args.backend, config, verify, weights, args.live)
@@ -116,6 +120,8 @@ def main() -> None:
           f"{f', {checks:.1f} s of checks' if checks else ''})")
     if spec.report.warm:
         print(f"{w.name}: {spec.report.warm}")
+    if spec.report.verified_on:
+        print(f"{w.name}: {spec.report.verified_on}")
     if args.device != "meta":
         held = memory_held(w.model, [spec.gm], None)
         print(f"{w.name}: {held.describe()}; without the original's own copies "

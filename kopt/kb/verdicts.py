@@ -100,6 +100,9 @@ class PipelineRun:
     device: str = ""
     retried: list[str] = field(default_factory=list)
     cuda_graphs: bool = False  # the optimized module replays from CUDA graphs
+    # per pass uuid, why it is skipped (None: run it): asked again by a second run over the
+    # same workload (a shallow copy's, then the whole model's), answered alike
+    decided: dict[str, str | None] = field(default_factory=dict)
 
     def skip(self, p: Any, gm: Any) -> Any:
         """A PassResult saying why ``p`` is skipped (a dead end), or None to run it."""
@@ -107,6 +110,12 @@ class PipelineRun:
         if s is None:
             return None
         uuid = p.uuid()
+        if uuid in self.decided:
+            return self._skipped(p, gm, self.decided[uuid])
+        self.decided[uuid] = why = self._decide(s, p, uuid)
+        return self._skipped(p, gm, why)
+
+    def _decide(self, s: Session, p: Any, uuid: str) -> str | None:
         why = s.guard("reading verdicts", lambda: skip_reason(
             s.kb, p.name, self.workload, self.device, regime=s.regime, uuid=uuid,
             cuda_graphs=self.cuda_graphs), None)
@@ -121,9 +130,15 @@ class PipelineRun:
         if s.retry:
             s.used.append(f"{p.name}: {why}; retried (--retry)")
             return None
+        s.used.append(f"{p.name} skipped: {why}")
+        return why
+
+    @staticmethod
+    def _skipped(p: Any, gm: Any, why: str | None) -> Any:
+        if why is None:
+            return None
         from kopt.passes.base import PassResult, count_nodes
 
-        s.used.append(f"{p.name} skipped: {why}")
         n = count_nodes(gm)
         return PassResult(p.name, matched=0, rejected={}, nodes_before=n, nodes_after=n,
                           seconds=0.0, notes=(f"skipped: {why} (--retry runs it)",))

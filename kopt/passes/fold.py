@@ -16,7 +16,9 @@ so the concatenation itself is never made.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +41,22 @@ MAX_GROWTH_BYTES = 64 << 20
 # and its device memory freed before the buffer is allocated, so the device never holds the
 # weights and their concatenation at once (W1's 121 modulation weights merged: 12.7 GiB).
 HOST_PACK_BYTES = 1 << 30
+# False inside :func:`copies_only`: nothing re-points the model's parameters
+_IN_PLACE = [True]
+
+
+@contextlib.contextmanager
+def copies_only() -> Iterator[None]:
+    """Within the block, folded row-concatenations stay copies of their own: no parameter of
+    the model is re-pointed (:func:`pack_in_place`). For a graph that is thrown away after
+    (verification's shallow model): the optimization of the whole model packs the same
+    parameters after it, and parameters packed into another graph's buffer would leave the
+    whole model's concatenation a copy of its own."""
+    _IN_PLACE.append(False)
+    try:
+        yield
+    finally:
+        _IN_PLACE.pop()
 
 
 @dataclass
@@ -403,7 +421,7 @@ def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor
     or an earlier optimization of the model), give that buffer's rows: the concatenation is
     held once however often the model is optimized.
     """
-    if not _packs_in_place(node) or not value.is_contiguous():
+    if not _IN_PLACE[-1] or not _packs_in_place(node) or not value.is_contiguous():
         return None
     tensors = _sources(gm, node)
     if tensors is None or tensors[0].dtype != value.dtype or tensors[0].device != value.device:
@@ -417,7 +435,7 @@ def pack_in_place(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor
 def _cat_through_host(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
     """The row-concatenation ``node`` of weights, made through host memory with its weights
     re-pointed at its rows (:data:`HOST_PACK_BYTES`); None where it is made on the device."""
-    tensors = _sources(gm, node)
+    tensors = _sources(gm, node) if _IN_PLACE[-1] else None
     if (tensors is None or sum(_nbytes(t) for t in tensors) <= HOST_PACK_BYTES
             or len({t.untyped_storage()._cdata for t in tensors}) != len(tensors)):
         return None

@@ -2,9 +2,12 @@
 
 Each pass runs on a copy of the graph; the copy is kept only if it passes verification at the
 pass's declared tier. A pass that fails is retried site by site (bisecting), keeping the sites
-that verify and reporting the ones reverted. With a cost model (``kopt.cost.CostModel``), each
-pass's predicted saving is recorded (the ranking) and a pass predicted to lose on this workload
-is not applied, with the prediction as the reason.
+that verify and reporting the ones reverted. A model of repeated blocks is verified on its
+shallow copy (:meth:`PassManager.run`): the passes are checked on a model cut to its first
+blocks, then applied to the whole model unchecked, which one end-to-end run confirms. With a
+cost model (``kopt.cost.CostModel``), each pass's predicted saving is recorded (the ranking)
+and a pass predicted to lose on this workload is not applied, with the prediction as the
+reason.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import fx
 
 from kopt import offload
@@ -30,7 +34,7 @@ from kopt.passes.base import Pass, PassResult, RewritePass, Verdict, count_nodes
 from kopt.passes.cat import CatRows
 from kopt.passes.config import PassConfig
 from kopt.passes.cse import EliminateCommonSubexpressions
-from kopt.passes.fold import FoldConstants, PackedAfter
+from kopt.passes.fold import FoldConstants, PackedAfter, copies_only
 from kopt.passes.gqa import FoldGroupedQueryHeads
 from kopt.passes.hoist import HoistInvariants
 from kopt.passes.noop import ReinplaceCacheUpdates, RemoveNoOps
@@ -47,10 +51,23 @@ from kopt.patterns.gemm_epilogue import (
 from kopt.patterns.projections import MERGE_PROJECTIONS
 from kopt.patterns.qk_norm_rope import QK_NORM_ROPE
 from kopt.patterns.rowwise_fusion import rowwise_fusions
-from kopt.verify import Baseline, VerifyOptions, agree_across_ranks, compare, forget_sites
+from kopt.verify import (
+    Baseline,
+    VerifyOptions,
+    agree_across_ranks,
+    compare,
+    end_to_end_problem,
+    forget_sites,
+    mutated_attributes,
+    output_errors,
+    random_inputs,
+    run_flat,
+)
 
 if TYPE_CHECKING:
+    from kopt.capture import Shallow
     from kopt.cost import CostModel, PassPrediction, Ranking
+    from kopt.kb.verdicts import PipelineRun
 
 log = logging.getLogger("kopt")
 
@@ -127,6 +144,7 @@ class PassManager:
         # after run, where verification kept them: (the result's outputs, the captured
         # graph's) on seed 0's inputs
         self.end_to_end: tuple[list[Any], list[Any]] | None = None
+        self.verified_on = ""  # after run: where the passes were checked, if not on the graph
 
     def uuid(self) -> str:
         h = hashlib.sha256(repr(self.config).encode())
@@ -136,20 +154,106 @@ class PassManager:
 
     def run(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], workload: str | None = None,
+        shallow: Shallow | None = None,
     ) -> tuple[fx.GraphModule, list[PassResult]]:
-        """``workload``: the knowledge base's key of ``gm`` where the caller has it."""
+        """``workload``: the knowledge base's key of ``gm`` where the caller has it.
+        ``shallow``: ``gm``'s model cut to its first blocks per repeated list
+        (:meth:`kopt.capture.Captured.shallow`), on which verification checks the passes in
+        place of ``gm`` (:meth:`_run_shallow`)."""
         with collector_skips_what_lives_already():
+            if shallow is not None and self.verify.enabled and self.cost is None:
+                return self._run_shallow(gm, example_inputs, shallow, workload)
             return self._run(gm, example_inputs, workload=workload)
+
+    def _run_shallow(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], shallow: Shallow,
+        workload: str | None,
+    ) -> tuple[fx.GraphModule, list[PassResult]]:
+        """The passes checked on ``shallow``, the model cut to its first blocks, then applied
+        to ``gm`` without checks.
+
+        Every block past the cut is an instance of a kept block's trace (the same graph with its
+        own weights), and the passes match by structure alone: each rewrite they make there is
+        one they made, and verification checked, in a kept block or between two kept blocks.
+        What the kept blocks' weights cannot stand for -- another block's weights, and the
+        whole depth of the model -- one run of the whole optimized model checks against the
+        captured graph on seed 0 (:func:`kopt.verify.end_to_end_problem`): outputs of the same
+        shapes and dtypes, finite where the captured graph's are, within a multiple of the
+        shallow model's own change (a broken rewrite, not a subtle one; the sites' bounds are
+        the shallow checks').
+
+        The whole model is verified pass by pass as without ``shallow`` where that cannot
+        stand: a pass that fails or reverts a site on the shallow model, a pass that rewrites
+        the whole model but not the shallow one or the other way round, or an end-to-end run
+        that fails."""
+        kb = pipeline_run(gm, example_inputs, cuda_graphs=self.cuda_graphs, workload=workload)
+        start = time.perf_counter()
+        checker = PassManager(self.config, self.verify, cuda_graphs=self.cuda_graphs)
+        inputs = random_inputs(example_inputs, 0)
+        # the whole model's passes read every weight after it, and pack them in place
+        with offload.releasing(None), copies_only():
+            checked_gm, checked = checker._run(shallow.gm, example_inputs, kb=kb, record=False)
+            why = _unclean(checked)
+            if why is None:
+                pair = checker.end_to_end
+                if pair is None:  # seed 0 not among the seeds, or its outputs not kept
+                    with _state_kept(shallow.gm), _state_kept(checked_gm):
+                        pair = run_flat(checked_gm, inputs), run_flat(shallow.gm, inputs)
+                moved = output_errors(*pair)
+        where = f"the model cut to {shallow.cut.describe()}"
+        if why is not None:
+            log.warning("kopt: on %s, %s: verifying the whole model pass by pass", where, why)
+            return self._run(gm, example_inputs, workload=workload, kb=kb)
+        checked_s = time.perf_counter() - start
+        with _state_kept(gm):  # before the passes below move the model's weights off the GPU
+            first = run_flat(gm, inputs)
+        released = offload.released()
+        applier = PassManager(self.config, VerifyOptions(enabled=False), self.dump_dir,
+                              cuda_graphs=self.cuda_graphs)
+        out, results = applier._run(gm, example_inputs, kb=kb, record=False)
+        why = _disagree(results, checked)
+        if why is None:
+            start = time.perf_counter()
+            try:
+                with _state_kept(out):
+                    got = run_flat(out, inputs)
+            except Exception as exc:  # noqa: BLE001 -- a rewrite that crashes has failed
+                got, why = None, f"the optimized model raised {type(exc).__name__}: {exc}"
+            for region in cached_regions(out):
+                region.clear()  # what the random inputs left in the caches
+            if got is not None:
+                why = end_to_end_problem(got, first, moved)
+        if why is not None:
+            log.warning("kopt: the passes verified on %s, but %s: verifying the whole model "
+                        "pass by pass", where, why)
+            offload.give_back(offload.released() - released)
+            return self._run(gm, example_inputs, workload=workload, kb=kb)
+        error = max(output_errors(got, first), default=0.0)
+        self.verified_on = (f"verified on {where} ({len(self.verify.seeds)} seeds, "
+                            f"{checked_s:.2f} s); the whole model checked end to end on seed 0 "
+                            f"in {time.perf_counter() - start:.2f} s: output {error:.2g} from "
+                            f"the captured graph's, {max(moved, default=0.0):.2g} in the "
+                            "shallow model")
+        log.info("kopt: %s", self.verified_on)
+        results = [replace(r, verdict=Verdict(c.verdict.passed, c.verdict.tier,
+                                              f"{c.verdict.detail}; on {where}"),
+                           check_seconds=c.check_seconds)
+                   if r.matched and c.verdict is not None else r
+                   for r, c in zip(results, checked, strict=True)]
+        self.end_to_end = (got, first)
+        kb.record(results, self.passes)
+        return out, results
 
     def _run(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], snapshots: bool | None = None,
-        workload: str | None = None,
+        workload: str | None = None, kb: PipelineRun | None = None, record: bool = True,
     ) -> tuple[fx.GraphModule, list[PassResult]]:
         """``snapshots``: run each pass on a copy of the graph before it (what verification
         and the cost model's gate compare against, and what a pass that raises leaves). Without
         either, the passes share one copy of the captured graph (a copy of W1's 11650 nodes
         costs 0.2 s on the CPU); a pass that raises there runs the pipeline again with
-        snapshots, so that it is left out as it would have been."""
+        snapshots, so that it is left out as it would have been. ``kb``: the knowledge base's
+        part, where a run over another graph shares it; ``record``: file the results there."""
         if snapshots is None:
             snapshots = self.verify.enabled or self.cost is not None
         results: list[PassResult] = []
@@ -157,7 +261,9 @@ class PassManager:
         self._dump(gm, "00_captured")
         self._dump_patterns()
         # knowledge base: dead ends to skip, verdicts
-        kb = pipeline_run(gm, example_inputs, cuda_graphs=self.cuda_graphs, workload=workload)
+        if kb is None:
+            kb = pipeline_run(gm, example_inputs, cuda_graphs=self.cuda_graphs,
+                              workload=workload)
         if not snapshots:
             gm = copy_graph_module(gm)  # the captured graph stays as captured
         # each check's reference: the outputs of the graph the passes accepted so far
@@ -183,7 +289,7 @@ class PassManager:
                              "again, each on a copy", p.name)
                     offload.give_back(offload.released() - released)
                     return self._run(captured, example_inputs, snapshots=True,
-                                     workload=workload)
+                                     workload=workload, kb=kb, record=record)
                 results.append(self._raised(p, gm, exc, time.perf_counter() - start))
                 continue
             if self.cost is not None:
@@ -215,11 +321,14 @@ class PassManager:
             results.append(result)
             gm = candidate
             self._dump(gm, f"{i:02d}_{p.name}")
+        if not snapshots:  # as a copy made after the last pass: the attributes it reads only
+            gm = copy_graph_module(gm)  # (the weights a merge or FP8 replaced are dropped)
         for region in cached_regions(gm):
             region.clear()  # drop what verification's random inputs left in the caches
         if baseline is not None:
             self.end_to_end = baseline.end_to_end(0)  # the warm start's check: seed 0
-        kb.record(results, self.passes)
+        if record:
+            kb.record(results, self.passes)
         if self.cost is not None:
             self.ranking = self.cost.ranking(captured, gm, self.predictions)
         return gm, results
@@ -337,6 +446,43 @@ class PassManager:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         text = gm.print_readable(print_output=False, include_stride=False, include_device=True)
         (self.dump_dir / f"{stem}.py").write_text(text)
+
+
+def _unclean(checked: Sequence[PassResult]) -> str | None:
+    """Why a shallow model's results cannot stand for the whole model's, or None."""
+    for r in checked:
+        if r.verdict is not None and not r.verdict.passed:
+            return f"{r.name} failed verification ({r.verdict.detail})"
+        if r.reverted:
+            return f"{r.name} reverted {len(r.reverted)} sites"
+        if any(n.startswith("not applied") for n in r.notes):
+            return f"{r.name} was not applied"
+    return None
+
+
+def _disagree(results: Sequence[PassResult], checked: Sequence[PassResult]) -> str | None:
+    """Why the whole model's unchecked results are not the shallow model's checked ones: a
+    pass that rewrote one and not the other (the whole model's sites are the shallow model's
+    only where each pass rewrote both), or one that raised on the whole model."""
+    for r, c in zip(results, checked, strict=True):
+        if any(n.startswith("not applied") for n in r.notes):
+            return f"{r.name} was not applied to the whole model"
+        if (r.matched > 0) != (c.matched > 0):
+            return (f"{r.name} rewrote {r.matched} sites in the whole model and {c.matched} in "
+                    "the shallow one")
+    return None
+
+
+@contextlib.contextmanager
+def _state_kept(gm: fx.GraphModule) -> Any:
+    """Buffers ``gm`` writes (a KV cache) restored after the block, as verification does."""
+    state = [(t, t.clone()) for t in mutated_attributes(gm)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, saved in state:
+                t.copy_(saved)
 
 
 def format_pass_line(r: PassResult) -> str:
