@@ -269,7 +269,13 @@ def _made_later(model: torch.nn.Module, args: tuple, kwargs: dict, flat: list[An
             made_from(module.graph, fp)
         return module, made
 
+    lists: dict[str, int] = {}
+    for path in blocks.repeated.paths:
+        lists[path.rpartition(".")[0]] = lists.get(path.rpartition(".")[0], 0) + 1
+
     def shallow(keep: int) -> Shallow | None:
+        if all(n <= keep for n in lists.values()):
+            return None  # nothing past the cut: no second decomposition
         with collector_skips_what_lives_already():
             try:
                 with calls_of(registry):

@@ -51,6 +51,10 @@ class Pass:
 
     name: str
     numerics: Numerics
+    # the pass whose rewrite this one applies to the sites that one leaves by size alone
+    # (``fp8_large``: FP8 on weights over 1 GiB, after ``fold_weights``): where a model cut
+    # to its first blocks has no site that large, its sites were checked as that pass's
+    split_from: str | None = None
 
     def run(self, gm: fx.GraphModule, sites: set[str] | None = None) -> PassResult:
         raise NotImplementedError

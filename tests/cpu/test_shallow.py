@@ -232,3 +232,24 @@ def test_the_backend_checks_on_the_shallow_model_and_compiles_with_inductor(monk
         assert not report.verified_on
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_pass_split_from_another_by_size_counts_as_it_on_the_shallow_model():
+    """W1's 60 merged modulation weights are over 1 GiB (``fp8_large`` quantizes them); the
+    shallow model's 2 merged are not (``fp8`` does): its check of them stands."""
+    from types import SimpleNamespace
+
+    from kopt.passes import PassResult
+
+    fp8, large = SimpleNamespace(split_from=None), SimpleNamespace(split_from="fp8")
+    other = SimpleNamespace(split_from=None)
+
+    def r(name: str, n: int) -> PassResult:
+        return PassResult(name, n, {}, 0, 0, 0.0)
+
+    whole = [r("fp8", 479), r("fp8_large", 1)]
+    assert pipeline._disagree([fp8, large], whole, [r("fp8", 16), r("fp8_large", 0)]) is None
+    why = pipeline._disagree([fp8, other], whole, [r("fp8", 16), r("fp8_large", 0)])
+    assert why == "fp8_large rewrote 1 sites in the whole model and 0 in the shallow one"
+    assert "fp8 rewrote" in pipeline._disagree([fp8, large], whole,
+                                               [r("fp8", 0), r("fp8_large", 0)])
