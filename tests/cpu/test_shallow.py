@@ -253,3 +253,25 @@ def test_a_pass_split_from_another_by_size_counts_as_it_on_the_shallow_model():
     assert why == "fp8_large rewrote 1 sites in the whole model and 0 in the shallow one"
     assert "fp8 rewrote" in pipeline._disagree([fp8, large], whole,
                                                [r("fp8", 0), r("fp8_large", 0)])
+
+
+def test_the_outer_trace_is_decomposed_once_for_the_shallow_model_and_the_whole(monkeypatch):
+    _deeper(monkeypatch)
+    w = build("qwen-image-tiny", dtype=torch.float32)
+    alone = capture_module(w.model, w.args, w.kwargs).gm  # no shallow model made first
+    calls: list[int] = []
+    real = torch.export.ExportedProgram.run_decompositions
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    cap = capture_module(w.model, w.args, w.kwargs)
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    shallow = cap.shallow(2)
+    assert shallow is not None and len(calls) == 1
+    made = cap.gm  # from the decomposition the shallow model was copied from
+    assert len(calls) == 1 and _structure(made) == _structure(alone)
+    with torch.no_grad():
+        for a, b in zip(cap.gm(*cap.example_inputs), alone(*cap.example_inputs), strict=True):
+            assert torch.equal(a, b)
