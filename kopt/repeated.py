@@ -706,14 +706,6 @@ class Cut:
     def describe(self) -> str:
         return ", ".join(f"{keep} of {n} {path}" for path, keep, n in self.lists)
 
-    @property
-    def kept(self) -> int:
-        return sum(keep for _, keep, _ in self.lists)
-
-    @property
-    def instances(self) -> int:
-        return sum(n for _, _, n in self.lists)
-
 
 def cut_repeats(gm: fx.GraphModule, registry: _Registry, keep: int) -> Cut | None:
     """Keep the first ``keep`` calls of each repeated list in ``gm`` (the outer trace with its

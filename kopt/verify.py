@@ -42,6 +42,7 @@ control of data rather than its numerics.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -513,10 +514,18 @@ def compare(
         baseline.keep = False
     elif baseline.gm is not before:
         raise ValueError("the baseline is of another graph than the one before the pass")
-    state = [(t, t.clone()) for t in {id(t): t for t in mutated_attributes(before)
-                                      + mutated_attributes(after)}.values()]
-    try:
+    with state_kept(before, after):
         return _compare(baseline, after, numerics, options)
+
+
+@contextmanager
+def state_kept(*gms: fx.GraphModule) -> Iterator[None]:
+    """The buffers the graphs ``gms`` write in place (a KV cache) restored after the block:
+    running them to check them leaves the model's state as it was."""
+    state = [(t, t.clone()) for t in {id(t): t for gm in gms
+                                      for t in mutated_attributes(gm)}.values()]
+    try:
+        yield
     finally:
         with torch.no_grad():
             for t, saved in state:

@@ -22,7 +22,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import fx
 
 from kopt import offload
@@ -58,10 +57,10 @@ from kopt.verify import (
     compare,
     end_to_end_problem,
     forget_sites,
-    mutated_attributes,
     output_errors,
     random_inputs,
     run_flat,
+    state_kept,
 )
 
 if TYPE_CHECKING:
@@ -202,7 +201,7 @@ class PassManager:
             if why is None:
                 pair = checker.end_to_end
                 if pair is None:  # seed 0 not among the seeds, or its outputs not kept
-                    with _state_kept(shallow.gm), _state_kept(checked_gm):
+                    with state_kept(shallow.gm, checked_gm):
                         pair = run_flat(checked_gm, inputs), run_flat(shallow.gm, inputs)
                 moved = output_errors(*pair)
                 del pair
@@ -212,7 +211,7 @@ class PassManager:
             log.warning("kopt: on %s, %s: verifying the whole model pass by pass", where, why)
             return self._run(gm, example_inputs, workload=workload, kb=kb)
         checked_s = time.perf_counter() - start
-        with _state_kept(gm):  # before the passes below move the model's weights off the GPU
+        with state_kept(gm):  # before the passes below move the model's weights off the GPU
             first = run_flat(gm, inputs)
         released = offload.released()
         applier = PassManager(self.config, VerifyOptions(enabled=False), self.dump_dir,
@@ -223,7 +222,7 @@ class PassManager:
         if why is None:
             start = time.perf_counter()
             try:
-                with _state_kept(out):
+                with state_kept(out):
                     got = run_flat(out, inputs)
             except Exception as exc:  # noqa: BLE001 -- a rewrite that crashes has failed
                 why = f"the optimized model raised {type(exc).__name__}: {exc}"
@@ -486,18 +485,6 @@ def _disagree(passes: Sequence[Pass], results: Sequence[PassResult],
             return (f"{r.name} rewrote {r.matched} sites in the whole model and {c.matched} in "
                     "the shallow one")
     return None
-
-
-@contextlib.contextmanager
-def _state_kept(gm: fx.GraphModule) -> Any:
-    """Buffers ``gm`` writes (a KV cache) restored after the block, as verification does."""
-    state = [(t, t.clone()) for t in mutated_attributes(gm)]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, saved in state:
-                t.copy_(saved)
 
 
 def format_pass_line(r: PassResult) -> str:
