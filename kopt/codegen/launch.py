@@ -25,6 +25,7 @@ if its replay reproduces the recorded call's outputs bit for bit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from collections.abc import Callable, Sequence
@@ -370,10 +371,18 @@ def _build_replay(name: str, args: Sequence[Any], result: Any, notes: list[Noted
     else:
         body.append(f"    return [{', '.join(out_names)}]")
     source = "\n".join(body) + "\n"
-    exec(compile(source, f"<kopt replay of {name}>", "exec"), g)  # noqa: S102 -- generated
+    exec(_compiled(source), g)  # noqa: S102 -- generated
     replay = g["replay"]
+    replay.__qualname__ = f"replay of {name}"
     replay.source = source
     return replay
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(source: str) -> Any:
+    """A replay's source compiled once: a repeated block's calls of one op differ only in the
+    values their globals bind (kernels, constants, descriptors), not in their source."""
+    return compile(source, "<kopt replay>", "exec")
 
 
 # A stream value no real stream has: what a spied launch is given, to find where the launcher

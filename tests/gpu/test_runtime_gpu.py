@@ -49,6 +49,9 @@ def test_every_fused_op_is_replayed_bitwise(name, config) -> None:  # noqa: ANN0
     assert not_replayed == copies, not_replayed
     assert sum(op.direct for op in plan.ops) >= 0.9 * len(plan.ops)
     assert "replayed" in str(opt.report)
+    # the same op of the model's two blocks replays from one compiled source
+    codes = [op._replay.__code__ for op in plan.ops if op.direct]
+    assert len(set(codes)) < len(codes)
 
 
 def test_the_default_replays_from_cuda_graphs_sharing_one_pool() -> None:
