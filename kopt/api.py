@@ -72,6 +72,7 @@ class Report:
     repeated: str = ""  # repeated blocks traced once (kopt.repeated), for the capture line
     warm: str = ""  # how the graph was restored from the knowledge base (kopt.warm), if it was
     verified_on: str = ""  # where the passes were checked, where not on the captured graph
+    inner: str = ""  # how the backend's inner compiler took the graph (kopt.regional)
 
     @property
     def verified(self) -> bool:
@@ -154,6 +155,8 @@ class Report:
                    f"{status}{took}")
         if self.verified_on:
             out.append(f"verification: {self.verified_on}")
+        if self.inner:
+            out.append(f"inner compiler: {self.inner}")
         out += self.runtime
         return "\n".join(out)
 
@@ -338,6 +341,7 @@ class OptimizedModule:
         self._pool: Any = None  # the CUDA graph memory pool every specialisation captures into
         self._adopt(first)
         self._move_superseded()
+        self._host.drop_ahead()
         # weights moved to host memory come back if this module goes before the model does
         self._finalizer = weakref.finalize(self, self._host.restore)
         self._finalizer.atexit = False
@@ -724,7 +728,8 @@ def optimize(
     # the BF16 weights FP8 packs leave for host memory as the optimization packs them
     host = None if keep_original else HostCopies()
     try:
-        with releasing(host, [*model.parameters(), *model.buffers()]):
+        with releasing(host, [*model.parameters(), *model.buffers()],
+                       ahead=config.fp8 is not None):
             first = _specialize(model, tuple(args), kwargs, config, verify, dump, cost=cost,
                                 cuda_graphs=_will_replay(cuda_graphs, flat))
     except BaseException:

@@ -19,6 +19,9 @@ Options (all optional):
 * ``keep_original``: False (the default) moves to host memory, as :func:`kopt.optimize` does,
   the model's weights that no optimized graph reads any more (the BF16 weights FP8 packed at
   load time), each as soon as it is packed; True keeps them on the device.
+* ``regional``: True (the default) has Inductor compile each kind of repeated block of the
+  optimized graph once, its sites calling it (:mod:`kopt.regional`); False compiles the graph
+  flat. A graph whose outlined form Inductor rejects is compiled flat, with the reason logged.
 
 The moved weights stay the model's parameters, with their shapes, and come back bit for bit for
 whatever needs them:
@@ -67,9 +70,11 @@ from kopt.api import (
 from kopt.capture import capture_dynamo
 from kopt.cudagraphs import memory_pool, pool_bytes
 from kopt.errors import CaptureError, KoptError
+from kopt.graph.splice import copy_graph_module
 from kopt.memory import memory_held, tensors_read
 from kopt.offload import HostCopies, holder, releasing
 from kopt.passes import PassConfig
+from kopt.regional import outline_blocks
 from kopt.verify import VerifyOptions
 
 log = logging.getLogger("kopt")
@@ -97,15 +102,16 @@ class BackendOptions:
     reports: list[Report] | None = None
     cuda_graphs: CudaGraphs = "auto"
     keep_original: bool = False
+    regional: bool = True
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> BackendOptions:
         options = dict(options or {})
         unknown = set(options) - {"inner", "config", "verify", "reports", "cuda_graphs",
-                                  "keep_original"}
+                                  "keep_original", "regional"}
         if unknown:
-            raise KoptError(f"unknown kopt backend option(s) {sorted(unknown)}; "
-                            "valid: inner, config, verify, reports, cuda_graphs, keep_original")
+            raise KoptError(f"unknown kopt backend option(s) {sorted(unknown)}; valid: inner, "
+                            "config, verify, reports, cuda_graphs, keep_original, regional")
         out = cls()
         if "inner" in options:
             if options["inner"] not in INNER:
@@ -131,6 +137,11 @@ class BackendOptions:
                 raise KoptError("kopt backend option 'keep_original' must be a bool, got "
                                 f"{options['keep_original']!r}")
             out.keep_original = options["keep_original"]
+        if "regional" in options:
+            if not isinstance(options["regional"], bool):
+                raise KoptError("kopt backend option 'regional' must be a bool, got "
+                                f"{options['regional']!r}")
+            out.regional = options["regional"]
         if "cuda_graphs" in options:
             try:
                 out.cuda_graphs = _check_cuda_graphs(options["cuda_graphs"])
@@ -207,7 +218,7 @@ def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs:
     owned = [example_inputs[i] for i in static_idx if isinstance(example_inputs[i], torch.Tensor)
              and holder(example_inputs[i]) is None]
     try:
-        with releasing(host, owned):
+        with releasing(host, owned, ahead=opts.config.fp8 is not None):
             spec = optimize_captured(captured, opts.config, opts.verify, None, name,
                                      capture_seconds)
     except BaseException:
@@ -218,7 +229,8 @@ def optimize_dynamo_graph(captured: Any, runtime_idx: list[int], example_inputs:
         opts.reports.append(spec.report)
     log.info("%s", spec.report)
     runtime_examples = [example_inputs[i] for i in runtime_idx]
-    compiled = inner_compile(opts.inner, spec.gm, runtime_examples)
+    compiled = inner_compile(opts.inner, spec.gm, runtime_examples,
+                             regional=opts.regional, report=spec.report)
     # run eagerly, the graph module itself is the body: its hoisted regions stay outside a
     # CUDA graph
     body = spec.gm if opts.inner == "eager" else compiled
@@ -364,7 +376,10 @@ class Runner:
     def move_superseded(self) -> None:
         """Move to host memory the weights this graph no longer reads that its load programs
         packed (those FP8 packing did not release at once), and watch their modules."""
-        if self.host is None or _MOVED.restored:
+        if self.host is None:
+            return
+        if _MOVED.restored:
+            self.host.drop_ahead()
             return
         read = {t.untyped_storage()._cdata for t in tensors_read([self.spec.gm])}
         static = {t.untyped_storage()._cdata for _, t in self.static
@@ -374,6 +389,7 @@ class Runner:
                       and holder(t) in (None, self.host)]
         if self.host.move(superseded) or self.host.moved:
             self.refresh_report()
+        self.host.drop_ahead()
         moved = self.host.keys
         _MOVED.watch([t for _, t in self.static if isinstance(t, torch.Tensor)
                       and t.untyped_storage()._cdata in moved])
@@ -447,7 +463,11 @@ class PerWeights:
         return graph(*args)
 
 
-def inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+def inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any],
+                  regional: bool = False, report: Report | None = None) -> Callable:
+    """The inner compiler's callable for ``gm``. ``regional``: Inductor compiles each kind of
+    repeated block once, then a copy of ``gm`` whose blocks call their kind's code
+    (:mod:`kopt.regional`); ``report`` says how it went."""
     if inner == "eager":
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
@@ -456,11 +476,31 @@ def inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any]) -> 
     # _boxed_call attribute is copied from the inner function and does not describe it).
     # kopt optimizes inference: compiling without grad gives Inductor's inference graph even
     # where the model's parameters require grad (FP8 GEMMs have no derivative at all).
+    kinds: list[Any] = []
     with torch.no_grad():
-        compiled = compile_fx(gm, example_inputs)
+        said = "Inductor"
+        compiled = None
+        if regional:
+            try:
+                target = copy_graph_module(gm)
+                kinds = outline_blocks(target, compile=compile_fx)
+                if kinds:
+                    compiled = compile_fx(target, example_inputs)
+                    said = (f"Inductor, {sum(k.sites for k in kinds)} repeated block sites "
+                            f"compiled as {len(kinds)} kind(s) of block")
+            except Exception as exc:  # noqa: BLE001 -- the flat graph is what Inductor took before
+                said = (f"Inductor, the graph flat (with its repeated blocks outlined it "
+                        f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+                log.warning("kopt: %s", said)
+                kinds, compiled = [], None
+        if compiled is None:
+            compiled = compile_fx(gm, example_inputs)
+    if report is not None:
+        report.inner = said
 
     def run(*args: Any) -> Any:
         with torch.no_grad():
             return compiled(*args)
 
+    run.kinds = kinds  # type: ignore[attr-defined]  # the blocks' code lives while this does
     return run

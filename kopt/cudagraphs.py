@@ -233,6 +233,9 @@ class NotCapturable(RuntimeError):
 def capture_graph(fn: Any, pool: Any = None, warmup: int = 1) -> tuple[Any, Any]:
     """``(graph, fn's result)``: ``fn`` captured in a CUDA graph (after ``warmup`` runs on a
     side stream: the allocator and library handles), into memory pool ``pool``."""
+    from kopt.offload import stop_copies_ahead
+
+    stop_copies_ahead()  # a capture forbids other threads' synchronizing calls
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -14,16 +14,27 @@ While an optimization runs inside :func:`releasing`, ``fold_constants`` hands ea
 leaves while FP8 packs the next one, so the peak stays near the model's size instead of the
 model plus its packed copy. What is released and later found still needed (a pass reverted, a
 folded value left per call) comes back through :func:`give_back`.
+
+The copies to host memory are made ahead: as the block starts, a thread of its own copies the
+owned weights to host memory on a side stream (:class:`_Ahead`), while the optimization runs on
+the host (capture, tracing, Triton's compiler) and the copy engines would idle. A release then
+frees the device storage at once if its copy is made, and the copy is used only if the weight
+is unchanged since (the same storage, alive throughout, its tensors' version counters as they
+were); otherwise the release copies it then, as it would without the thread.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger("kopt")
 
@@ -40,16 +51,25 @@ _RELEASING: list[tuple[HostCopies, set[int]] | None] = []
 
 
 @contextmanager
-def releasing(holder: HostCopies | None, owned: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+def releasing(holder: HostCopies | None, owned: Iterable[torch.Tensor] = (),
+              ahead: bool = False) -> Iterator[None]:
     """Within the block, :func:`release` moves to ``holder`` the storages of ``owned`` (the
     model's weights) it is given; with ``holder=None`` it moves nothing (a nested block where
-    the weights must stay, e.g. a check that runs the graph before a pass again)."""
+    the weights must stay, e.g. a check that runs the graph before a pass again). ``ahead``:
+    most of them are expected to go (FP8 packs them), so their host copies start at once
+    (:meth:`HostCopies.copy_ahead`); the holder keeps those no release took until
+    :meth:`HostCopies.drop_ahead`."""
+    owned = list(owned)
     keys = {t.untyped_storage()._cdata for t in owned}
     _RELEASING.append((holder, keys) if holder is not None else None)
+    if holder is not None and ahead:
+        holder.copy_ahead(owned)
     try:
         yield
     finally:
         _RELEASING.pop()
+        if holder is not None:
+            holder.stop_ahead()
 
 
 def release(tensors: Iterable[torch.Tensor]) -> int:
@@ -88,7 +108,8 @@ def copied_out(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     hosts = []
     for t in tensors:
         storage = t.untyped_storage()
-        hosts.append(_to_host(_as_bytes(storage)))
+        host = current[0].take_ahead(storage)
+        hosts.append(host if host is not None else _to_host(_as_bytes(storage)))
         storage.resize_(0)
     return hosts
 
@@ -163,30 +184,36 @@ STAGE_BYTES = 64 << 20
 _STAGES: list[torch.Tensor] = []  # the two pinned buffers, made at the first copy
 
 
-def _to_host(src: torch.Tensor) -> torch.Tensor:
-    """A pageable host copy of the uint8 tensor ``src``: a CUDA tensor's through the pinned
-    buffers, a chunk's copy to the device overlapping the host copy of the one before."""
+def _to_host(src: torch.Tensor, stages: list[torch.Tensor] | None = None,
+             stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """A pageable host copy of the uint8 tensor ``src``: a CUDA tensor's through two pinned
+    buffers (``stages``, else this module's), a chunk's copy from the device overlapping the
+    host copy of the one before, on ``stream`` (else the current one)."""
     host = torch.empty(src.numel(), dtype=torch.uint8)
     if src.device.type != "cuda":
         host.copy_(src)
         return host
-    if not _STAGES:
-        _STAGES.extend(torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-                       for _ in range(2))
+    if stages is None:
+        if not _STAGES:
+            _STAGES.extend(torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+                           for _ in range(2))
+        stages = _STAGES
+    stream = stream if stream is not None else torch.cuda.current_stream(src.device)
     events = [torch.cuda.Event(), torch.cuda.Event()]
     last = None  # (offset, length, buffer index) of the chunk on its way
-    for j, start in enumerate(range(0, src.numel(), STAGE_BYTES)):
-        n = min(STAGE_BYTES, src.numel() - start)
-        _STAGES[j % 2][:n].copy_(src[start:start + n], non_blocking=True)
-        events[j % 2].record()
-        if last is not None:
-            o, k, b = last
-            events[b].synchronize()
-            host[o:o + k].copy_(_STAGES[b][:k])
-        last = (start, n, j % 2)
+    with torch.cuda.stream(stream):
+        for j, start in enumerate(range(0, src.numel(), STAGE_BYTES)):
+            n = min(STAGE_BYTES, src.numel() - start)
+            stages[j % 2][:n].copy_(src[start:start + n], non_blocking=True)
+            events[j % 2].record(stream)
+            if last is not None:
+                o, k, b = last
+                events[b].synchronize()
+                host[o:o + k].copy_(stages[b][:k])
+            last = (start, n, j % 2)
     o, k, b = last
     events[b].synchronize()
-    host[o:o + k].copy_(_STAGES[b][:k])
+    host[o:o + k].copy_(stages[b][:k])
     return host
 
 
@@ -199,6 +226,7 @@ class HostCopies:
         self._moved: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
         self._depth = 0  # nested on_device() blocks
         self.done = False  # restored for good: moves nothing more
+        self._ahead: _Ahead | None = None  # host copies made ahead of the releases
 
     @property
     def nbytes(self) -> int:
@@ -226,7 +254,9 @@ class HostCopies:
                     self._moved[key] = (storage, torch.empty(0, dtype=torch.uint8))
                     _HOLDERS[key] = self
                 continue
-            host = _to_host(_as_bytes(storage))
+            host = self.take_ahead(storage)
+            if host is None:
+                host = _to_host(_as_bytes(storage))
             self._moved[key] = (storage, host)
             _HOLDERS[key] = self
             storage.resize_(0)
@@ -261,8 +291,36 @@ class HostCopies:
         """Whether storages are off their device now."""
         return bool(self._moved) and self._depth == 0
 
+    def copy_ahead(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Start copying the storages of ``tensors`` to host memory on a thread of their own,
+        in order, for :meth:`move` to take (nothing if copies are under way already)."""
+        if self._ahead is None and not self.done:
+            self._ahead = _Ahead.start(tensors)
+
+    def stop_ahead(self) -> None:
+        """No more copies ahead: the thread ends after the copy in progress; the copies made
+        stay for :meth:`move` until :meth:`drop_ahead`."""
+        if self._ahead is not None:
+            self._ahead.stop()
+
+    def drop_ahead(self) -> None:
+        """Stop the copies ahead and free the host memory of those no release took."""
+        if self._ahead is not None:
+            self._ahead.stop()
+            ahead, self._ahead = self._ahead, None
+            if ahead.copied:
+                log.info("kopt: %.2f GiB of weights copied to host memory ahead of their "
+                         "release, in %.1f s; %.2f GiB of them released", ahead.copied / 2**30,
+                         ahead.busy, ahead.taken / 2**30)
+
+    def take_ahead(self, storage: torch.UntypedStorage) -> torch.Tensor | None:
+        """The host copy made ahead of ``storage`` if its bytes are the storage's now, else
+        None (the caller copies it)."""
+        return self._ahead.take(storage) if self._ahead is not None else None
+
     def restore(self) -> None:
         """Every moved storage back on its device for good; nothing moves from then on."""
+        self.drop_ahead()
         if self._depth == 0:
             self._bring_back()
         for key in self._moved:
@@ -286,3 +344,150 @@ class HostCopies:
     def _bring_back(self) -> None:
         for storage, host in self._moved.values():
             _refill(storage, host)
+
+
+# Threads that copy ahead, each with its own stream and pinned buffers: the page faults of
+# fresh pageable memory, not the link, bound one thread's copy.
+AHEAD_THREADS = 2
+# While copies ahead run, the interpreter hands the lock over this often (s): each chunk needs
+# it three times, and the optimization's own thread would otherwise hold it 5 ms at a time.
+AHEAD_SWITCH_INTERVAL = 5e-4
+
+
+_RUNNING: weakref.WeakSet[_Ahead] = weakref.WeakSet()  # copies ahead whose threads run
+
+
+def stop_copies_ahead() -> None:
+    """End every thread copying ahead (what is left is copied at its release): before a CUDA
+    graph capture, during which no other thread may wait on the device."""
+    for ahead in list(_RUNNING):
+        ahead.stop()
+
+
+class _Copy:
+    """One storage to copy ahead: a weak reference (the storage may die meanwhile; while the
+    reference lives its identity is not reused), the tensors over it with their version
+    counters as they were, and, once copied, its bytes in host memory."""
+
+    __slots__ = ("ref", "tensors", "versions", "host", "state", "done")
+
+    def __init__(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> None:
+        self.ref = StorageWeakRef(storage)
+        self.tensors = [weakref.ref(t) for t in tensors]  # (copying ahead keeps nothing alive)
+        self.versions = [t._version for t in tensors]
+        self.host: torch.Tensor | None = None
+        self.state = "waiting"  # -> "copying" -> "copied" | "failed"; or "taken" (by move)
+        self.done = threading.Event()
+
+    def unchanged(self, storage: torch.UntypedStorage) -> bool:
+        """Whether the copy holds ``storage``'s bytes now: no tensor over it written since."""
+        key = storage._cdata
+        return (not self.ref.expired() and self.ref.cdata == key
+                and self.host is not None and self.host.numel() == storage.nbytes()
+                and all(t._version == v for r, v in zip(self.tensors, self.versions,
+                                                         strict=True)
+                        if (t := r()) is not None and t.untyped_storage()._cdata == key))
+
+
+class _Ahead:
+    """Host copies of weights made on background threads before they are released."""
+
+    def __init__(self, copies: dict[int, _Copy]) -> None:
+        self._copies = copies
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._threads: list[threading.Thread] = []
+        self._interval: float | None = None
+        self.copied = 0  # bytes the threads copied
+        self.taken = 0  # bytes of those the releases took
+        self._started = time.perf_counter()
+        self.busy = 0.0  # seconds from the start until the threads' last copy was made
+
+    @classmethod
+    def start(cls, tensors: Iterable[torch.Tensor]) -> _Ahead | None:
+        by_storage: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if (t.device.type in OFFLOAD_DEVICES and storage.nbytes() >= max(MIN_BYTES, 1)
+                    and storage._cdata not in _HOLDERS):
+                by_storage.setdefault(storage._cdata, (storage, []))[1].append(t)
+        if not by_storage:
+            return None
+        ahead = cls({k: _Copy(s, ts) for k, (s, ts) in by_storage.items()})
+        order = list(ahead._copies.values())
+        devices = {s.device for s, _ in by_storage.values()}
+        # the copies read what the device's queue has written so far
+        ready = {d: torch.cuda.current_stream(d).record_event() for d in devices
+                 if d.type == "cuda"}
+        ahead._interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(ahead._interval, AHEAD_SWITCH_INTERVAL))
+        _RUNNING.add(ahead)
+        for i in range(AHEAD_THREADS):
+            thread = threading.Thread(target=ahead._work, args=(order[i::AHEAD_THREADS], ready),
+                                      name=f"kopt-copy-ahead-{i}", daemon=True)
+            ahead._threads.append(thread)
+            thread.start()
+        return ahead
+
+    def stop(self) -> None:
+        """Let the threads end (after the copy each is making) and wait for them."""
+        self._stopped = True
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        _RUNNING.discard(self)
+        if self._interval is not None:
+            sys.setswitchinterval(self._interval)
+            self._interval = None
+
+    def take(self, storage: torch.UntypedStorage) -> torch.Tensor | None:
+        copy = self._copies.pop(storage._cdata, None)
+        if copy is None:
+            return None
+        with self._lock:
+            if copy.state == "waiting":
+                copy.state = "taken"
+                return None
+        copy.done.wait()
+        if not copy.unchanged(storage):
+            return None
+        self.taken += copy.host.numel()
+        return copy.host
+
+    def _work(self, copies: list[_Copy], ready: dict[torch.device, torch.cuda.Event]) -> None:
+        stages: list[torch.Tensor] = []
+        streams: dict[torch.device, torch.cuda.Stream] = {}
+        for copy in copies:
+            if self._stopped:
+                break
+            with self._lock:
+                if copy.state != "waiting":
+                    continue
+                copy.state = "copying"
+            try:
+                storage = torch.UntypedStorage._new_with_weak_ptr(copy.ref.cdata)
+                if storage is None:
+                    copy.state = "failed"
+                    continue
+                src = _as_bytes(storage)
+                if src.device.type == "cuda":
+                    stream = streams.get(src.device)
+                    if stream is None:
+                        stream = streams[src.device] = torch.cuda.Stream(src.device)
+                        stream.wait_event(ready[src.device])
+                    if not stages:
+                        stages = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+                                  for _ in range(2)]
+                    copy.host = _to_host(src, stages, stream)
+                else:
+                    copy.host = src.clone()
+                copy.state = "copied"
+                with self._lock:
+                    self.copied += copy.host.numel()
+                    self.busy = time.perf_counter() - self._started
+                del storage, src
+            except Exception as e:  # the release copies it itself
+                log.debug("kopt: a copy ahead failed (%s); the release copies it", e)
+                copy.state = "failed"
+            finally:
+                copy.done.set()

@@ -96,21 +96,23 @@ def main() -> None:
         with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext():
             compiled_first_call(w, args.backend, config, verify, weights, args.live)
         return
-    t0 = time.perf_counter()
-    cap = capture_module(w.model, w.args, w.kwargs)
-    t1 = time.perf_counter()
-    prof = cProfile.Profile() if args.profile else None
-    t2 = time.perf_counter()
-    if prof is not None:
-        prof.enable()
-    # as kopt.optimize: the BF16 weights FP8 packs leave for host memory as they are packed
+    # as kopt.optimize: the BF16 weights FP8 packs leave for host memory as they are packed,
+    # their copies made ahead from the start
     host = HostCopies()
+    prof = cProfile.Profile() if args.profile else None
     with using(KnowledgeBase.open(args.kb)) if args.kb else contextlib.nullcontext(), \
-            releasing(host, [*w.model.parameters(), *w.model.buffers()]):
+            releasing(host, [*w.model.parameters(), *w.model.buffers()],
+                      ahead=config.fp8 is not None):
+        t0 = time.perf_counter()
+        cap = capture_module(w.model, w.args, w.kwargs)
+        t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         spec = optimize_captured(cap, config, verify, None, w.name, 0.0)
-    if prof is not None:
-        prof.disable()
-    t3 = time.perf_counter()
+        if prof is not None:
+            prof.disable()
+        t3 = time.perf_counter()
     rep = f", {cap.repeated.describe()}" if cap.repeated else ""
     checks = sum(r.check_seconds for r in spec.report.passes)
     print(f"{w.name}: capture {t1 - t0:.1f} s ({len(cap.gm.graph.nodes)} nodes{rep}), optimize "
@@ -194,6 +196,8 @@ def compiled_first_call(w: object, inner: str, config: PassConfig, verify: Verif
     for r in reports:
         if r.warm:
             print(f"{w.name}:   {r.warm}")
+        if r.inner:
+            print(f"{w.name}:   inner compiler: {r.inner}")
         print("\n".join(f"{w.name}:   {line}" for line in r.runtime))
     if cuda:
         s0 = time.perf_counter()

@@ -438,3 +438,48 @@ def test_a_warm_start_releases_the_weights_as_it_packs(tmp_path, monkeypatch, th
             through.clear()
         assert "warm start" in opt.report.warm and "check on seed 0 passed" in opt.report.warm
     assert torch.equal(outs[0], outs[1])
+
+
+def _copied_ahead(holder: offload.HostCopies) -> None:
+    """Wait until the threads copying ahead have copied every storage."""
+    for copy in list(holder._ahead._copies.values()):
+        assert copy.done.wait(30)
+
+
+def test_releases_take_the_copies_made_ahead_only_while_the_weight_is_unchanged(
+        monkeypatch) -> None:  # noqa: ANN001
+    """With ``ahead``, threads copy the owned weights to host memory as the block starts; a
+    release then frees a weight unchanged since without copying it, and copies again one
+    written in place after its copy. Each weight comes back as it was at its release."""
+    weights = [torch.randn(64, 32) for _ in range(6)]
+    tied = weights[2].view(32, 64)  # another tensor over a storage: its writes count too
+    copied: list[int] = []
+    real = offload._to_host
+    monkeypatch.setattr(offload, "_to_host",
+                        lambda src, *a: (copied.append(src.numel()), real(src, *a))[1])
+    holder = offload.HostCopies()
+    with offload.releasing(holder, [*weights, tied], ahead=True):
+        _copied_ahead(holder)
+        weights[1].mul_(2)
+        tied[0, 0] = 7.0
+        saved = [w.clone() for w in weights]
+        assert offload.release(weights) == 6 * 64 * 32 * 4
+    assert copied == [64 * 32 * 4] * 2  # the two written since their copies
+    assert all(w.untyped_storage().nbytes() == 0 for w in weights)
+    holder.restore()
+    assert all(torch.equal(w, v) for w, v in zip(weights, saved, strict=True))
+
+
+def test_copies_ahead_start_only_where_fp8_packs_the_weights(monkeypatch) -> None:  # noqa: ANN001
+    started: list[int] = []
+    real = offload._Ahead.start
+    monkeypatch.setattr(offload._Ahead, "start",
+                        classmethod(lambda cls, ts: (started.append(1), real(ts))[1]))
+    w = build("qwen-image-tiny")
+    want = w.run()
+    kopt.optimize(w.model, w.args, w.kwargs, kopt.PassConfig(), verify=False)
+    assert started == []  # BF16: nothing leaves, so nothing is copied
+    opt = kopt.optimize(w.model, w.args, w.kwargs, FP8, verify=False)
+    assert started == [1] and _emptied(w.model) and opt._host._ahead is None  # dropped
+    with opt.original_weights() as original:
+        assert torch.equal(w.run(original), want)
