@@ -295,7 +295,10 @@ class HostCopies:
         """Start copying the storages of ``tensors`` to host memory on a thread of their own,
         in order, for :meth:`move` to take (nothing if copies are under way already)."""
         if self._ahead is None and not self.done:
-            self._ahead = _Ahead.start(tensors)
+            try:
+                self._ahead = _Ahead.start(tensors)
+            except Exception as e:  # noqa: BLE001 -- an optimization: the releases copy
+                log.info("kopt: no host copies made ahead (%s: %s)", type(e).__name__, e)
 
     def stop_ahead(self) -> None:
         """No more copies ahead: the thread ends after the copy in progress; the copies made
