@@ -483,7 +483,7 @@ def inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any],
         if regional:
             try:
                 target = copy_graph_module(gm)
-                kinds = outline_blocks(target, compile=compile_fx)
+                kinds = outline_blocks(target, compile=_compile_kind)
                 if kinds:
                     compiled = compile_fx(target, example_inputs)
                     said = (f"Inductor, {sum(k.sites for k in kinds)} repeated block sites "
@@ -504,3 +504,13 @@ def inner_compile(inner: str, gm: fx.GraphModule, example_inputs: list[Any],
 
     run.kinds = kinds  # type: ignore[attr-defined]  # the blocks' code lives while this does
     return run
+
+
+def _compile_kind(graph: fx.GraphModule, examples: list[torch.Tensor]) -> Callable:
+    """Inductor's code for one kind of block, compiled apart from the graph dynamo is
+    compiling: its example operands are made up (no source dynamo could guard them by), so
+    its trace must not share dynamo's fake mode and shape environment."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._guards.tracing(None):
+        return compile_fx(graph, examples)

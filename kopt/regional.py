@@ -11,7 +11,8 @@ again on fake tensors where the graph holds custom ops (FakeTensor's cache takes
 ``aten`` ops): on a 60-block tiny Qwen-Image that was most of its time. The graph computes what
 it computed (with ``compile=None`` each kind runs its graph as is: bitwise the same); Inductor's
 fusions across a block's boundary are lost, and a block's outputs that share memory with an
-operand or with each other are copied, as an op's outputs must be its own.
+operand or with each other, or that come back in other strides than the graph had, are copied
+(an op's outputs are its own, in the layout its fake kernel declared).
 
 A block is found by structure: the capture records on each node the module list child it was
 traced in (``nn_module_stack``); the nodes the passes made carry no module and are placed by
@@ -66,12 +67,15 @@ _IDS = itertools.count()
 
 @torch.library.custom_op("kopt::block", mutates_args=())
 def _block(xs: list[torch.Tensor], kind: int) -> list[torch.Tensor]:
-    outs = list(_KINDS[kind].run(*xs))
+    k = _KINDS[kind]
+    outs = list(k.run(*xs))
     seen = {x.untyped_storage().data_ptr() for x in xs}
-    for i, o in enumerate(outs):  # an op's outputs are its own: no input's memory, no sharing
-        ptr = o.untyped_storage().data_ptr()
-        if ptr in seen:
-            outs[i] = o.clone()
+    for i, (o, (shape, stride, dtype, _)) in enumerate(zip(outs, k.outputs, strict=True)):
+        # an op's outputs are its own (no operand's memory, none shared), in the layouts the
+        # graph had there (a compiler may return a view's values contiguous)
+        if o.untyped_storage().data_ptr() in seen or tuple(o.stride()) != stride:
+            out = torch.empty_strided(shape, stride, dtype=dtype, device=o.device)
+            outs[i] = out.copy_(o)
         seen.add(outs[i].untyped_storage().data_ptr())
     return outs
 
