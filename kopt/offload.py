@@ -15,12 +15,12 @@ leaves while FP8 packs the next one, so the peak stays near the model's size ins
 model plus its packed copy. What is released and later found still needed (a pass reverted, a
 folded value left per call) comes back through :func:`give_back`.
 
-The copies to host memory are made ahead: as the block starts, a thread of its own copies the
-owned weights to host memory on a side stream (:class:`_Ahead`), while the optimization runs on
-the host (capture, tracing, Triton's compiler) and the copy engines would idle. A release then
-frees the device storage at once if its copy is made, and the copy is used only if the weight
-is unchanged since (the same storage, alive throughout, its tensors' version counters as they
-were); otherwise the release copies it then, as it would without the thread.
+With FP8 the copies to host memory are made ahead: as the block starts, threads of their own
+copy the owned weights to host memory on side streams (:class:`_Ahead`), while the
+optimization runs on the host (capture, tracing, Triton's compiler) and the copy engines would
+idle. A release then frees the device storage at once if its copy is made, and the copy is used
+only if the weight is unchanged since (the same storage, alive throughout, its tensors' version
+counters as they were); otherwise the release copies it then, as it would without them.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ class HostCopies:
         return bool(self._moved) and self._depth == 0
 
     def copy_ahead(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Start copying the storages of ``tensors`` to host memory on a thread of their own,
+        """Start copying the storages of ``tensors`` to host memory on threads of their own,
         in order, for :meth:`move` to take (nothing if copies are under way already)."""
         if self._ahead is None and not self.done:
             try:
@@ -301,7 +301,7 @@ class HostCopies:
                 log.info("kopt: no host copies made ahead (%s: %s)", type(e).__name__, e)
 
     def stop_ahead(self) -> None:
-        """No more copies ahead: the thread ends after the copy in progress; the copies made
+        """No more copies ahead: the threads end after the copies in progress; the copies made
         stay for :meth:`move` until :meth:`drop_ahead`."""
         if self._ahead is not None:
             self._ahead.stop()
@@ -349,8 +349,9 @@ class HostCopies:
             _refill(storage, host)
 
 
-# Threads that copy ahead, each with its own stream and pinned buffers: the page faults of
-# fresh pageable memory, not the link, bound one thread's copy.
+# Threads that copy ahead, each with its own stream and pinned buffers: one thread's copy is
+# bound by the first touch of fresh pageable memory, not the link (a staged 4 GiB copy: 0.48 s
+# into fresh memory, 0.20 s into touched; RESULTS.md, 2026-12-07, H100).
 AHEAD_THREADS = 2
 # While copies ahead run, the interpreter hands the lock over this often (s): each chunk needs
 # it three times, and the optimization's own thread would otherwise hold it 5 ms at a time.

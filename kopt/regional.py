@@ -1,18 +1,19 @@
 """Inductor compiles each kind of repeated block once: the optimized graph's blocks outlined.
 
 Inductor's time grows with the graph's nodes: W1's optimized graph (7.4k nodes, 60 blocks)
-takes it 30-55 s, the same lowering and code made 60 times over. :func:`outline_blocks` finds
-the blocks, makes one graph of each kind of block (its operands: every weight and activation
-the block reads) and hands it to a compiler once; each site then calls that kind's compiled
-code through ``kopt::block``, an op whose outputs' shapes are known without running it, so that
-what compiles the outer graph (Inductor again) traces a block site as one opaque call. Torch's
-own ``invoke_subgraph`` would share the lowering too, but its tracing runs every site's graph
-again on fake tensors where the graph holds custom ops (FakeTensor's cache takes only
-``aten`` ops): on a 60-block tiny Qwen-Image that was most of its time. The graph computes what
-it computed (with ``compile=None`` each kind runs its graph as is: bitwise the same); Inductor's
-fusions across a block's boundary are lost, and a block's outputs that share memory with an
-operand or with each other, or that come back in other strides than the graph had, are copied
-(an op's outputs are its own, in the layout its fake kernel declared).
+takes it 30-55 s on an H100, the same lowering and code made 60 times over.
+:func:`outline_blocks` finds the blocks, makes one graph of each kind of block (its operands:
+every weight and activation the block reads) and hands it to a compiler once; each site then
+calls that kind's compiled code through ``kopt::block``, an op whose outputs' shapes are known
+without running it, so that what compiles the outer graph (Inductor again) traces a block site
+as one opaque call. Torch's own ``invoke_subgraph`` would share the lowering too, but its
+tracing runs every site's graph again on fake tensors where the graph holds custom ops
+(FakeTensor's cache takes only ``aten`` ops): on a 60-block tiny Qwen-Image it halved
+Inductor's time where this cuts it 3.4-fold (RESULTS.md, 2026-12-07, CPU). The graph computes
+what it computed (with ``compile=None`` each kind runs its graph as is: bitwise the same);
+Inductor's fusions across a block's boundary are lost, and a block's outputs that share memory
+with an operand or with each other, or that come back in other strides than the graph had, are
+copied (an op's outputs are its own, in the layout its fake kernel declared).
 
 A block is found by structure: the capture records on each node the module list child it was
 traced in (``nn_module_stack``); the nodes the passes made carry no module and are placed by
@@ -26,7 +27,6 @@ node and the same operand shapes, strides and dtypes.
 from __future__ import annotations
 
 import itertools
-import logging
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -40,13 +40,8 @@ from torch.fx.passes.tools_common import legalize_graph
 from kopt.graph.query import attr
 from kopt.repeated import _list_child
 
-log = logging.getLogger("kopt")
-
 # fewer sites of one block than this are left inline: sharing saves nothing
 MIN_SITES = 2
-# how the nodes passes made are placed in blocks (_blocks): each tried, the one that outlines
-# the most nodes kept (an op fused across two blocks' boundary goes one way or the other)
-PLACINGS = ("boundaries", "neighbours")
 
 
 @dataclass(eq=False)
@@ -94,19 +89,14 @@ def outline_blocks(gm: fx.GraphModule,
     which whoever runs ``gm`` must hold (the sites find them by id while they live)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    best: list[list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]] = []
-    for placing in PLACINGS:
-        groups: dict[tuple, list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]] = {}
-        for members in _blocks(nodes, placing).values():
-            site = _site(gm, members, order)
-            if site is not None:
-                groups.setdefault(_signature(gm, *site), []).append(site)
-        shared = [g for g in groups.values() if len(g) >= MIN_SITES]
-        if _covered(shared) > _covered(best):
-            best = shared
+    groups: dict[tuple, list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]] = {}
+    for members in _blocks(nodes).values():
+        site = _site(gm, members, order)
+        if site is not None:
+            groups.setdefault(_signature(gm, *site), []).append(site)
     kinds = []
     moved: dict[fx.Node, fx.Node] = {}  # an outlined block's output -> the getitem reading it
-    for sites in best:
+    for sites in (g for g in groups.values() if len(g) >= MIN_SITES):
         members, operands, outputs = sites[0]
         graph = _subgraph(gm, members, operands, outputs)
         run = graph if compile is None else compile(graph, _examples(gm, operands))
@@ -142,12 +132,10 @@ def _examples(gm: fx.GraphModule, operands: list[fx.Node]) -> list[torch.Tensor]
     return out
 
 
-def _blocks(nodes: list[fx.Node], placing: str) -> dict[tuple[str, int], list[fx.Node]]:
-    """The nodes of each block (module docstring), in graph order, the nodes the passes made
-    (which carry no module) placed by ``placing``: ``"boundaries"`` or ``"neighbours"``."""
+def _blocks(nodes: list[fx.Node]) -> dict[tuple[str, int], list[fx.Node]]:
+    """The nodes of each block (module docstring), in graph order."""
     key: dict[fx.Node, tuple[str, int] | None] = {n: _list_child(n) for n in nodes}
-    unplaced = [n for n in nodes if not n.meta.get("nn_module_stack")]
-    (_by_boundaries if placing == "boundaries" else _by_neighbours)(unplaced, key)
+    _place([n for n in nodes if not n.meta.get("nn_module_stack")], key)
     blocks: dict[tuple[str, int], list[fx.Node]] = {}
     for n in nodes:
         if key[n] is not None:
@@ -155,11 +143,12 @@ def _blocks(nodes: list[fx.Node], placing: str) -> dict[tuple[str, int], list[fx
     return blocks
 
 
-def _by_boundaries(unplaced: list[fx.Node], key: dict[fx.Node, Any]) -> None:
-    """Each node the passes made takes the block it computes from; one that computes from two
-    blocks of a list (an op fused across their boundary: a residual add with the next block's
-    norm) takes the later, so every block but the first holds the same fused op at its start.
-    A node that computes from none takes the one block that reads it, if one does."""
+def _place(unplaced: list[fx.Node], key: dict[fx.Node, Any]) -> None:
+    """Each node the passes made (carrying no module) takes the block it computes from; one
+    that computes from two blocks of a list (an op fused across their boundary: a residual add
+    with the next block's norm) takes the later, so every block but the first holds the same
+    fused op at its start. A node that computes from none takes the one block that reads it,
+    if one does."""
     for n in unplaced:
         near = {key.get(m) for m in n.all_input_nodes} - {None}
         if len({path for path, _ in near}) == 1:
@@ -169,25 +158,6 @@ def _by_boundaries(unplaced: list[fx.Node], key: dict[fx.Node, Any]) -> None:
             near = {key.get(u) for u in n.users} - {None}
             if len(near) == 1:
                 key[n] = near.pop()
-
-
-def _by_neighbours(unplaced: list[fx.Node], key: dict[fx.Node, Any]) -> None:
-    """Each node the passes made takes the block of its neighbours (what it reads and what
-    reads it) where they name one, until none changes."""
-    changed = True
-    while changed:
-        changed = False
-        for n in unplaced:
-            if key[n] is None:
-                near = {key.get(m) for m in (*n.all_input_nodes, *n.users)} - {None}
-                if len(near) == 1:
-                    key[n] = near.pop()
-                    changed = True
-
-
-def _covered(groups: list[list[tuple]]) -> int:
-    """The nodes the groups' sites take out of the graph."""
-    return sum(len(members) for g in groups for members, _, _ in g)
 
 
 def _site(gm: fx.GraphModule, members: list[fx.Node], order: dict[fx.Node, int]
