@@ -50,3 +50,16 @@ class BlockStack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
+
+
+def perturbed_kwargs(kwargs: dict, calls: int, device: str = "cuda") -> list[dict]:
+    """``calls`` copies of a model's keyword inputs, each floating-point tensor moved by seeded
+    noise (seed = the call's index): fresh inputs for every call of a loop."""
+    out = []
+    for seed in range(calls):
+        g = torch.Generator(device=device).manual_seed(seed)
+        out.append({k: (v + 0.05 * torch.randn(v.shape, device=device, dtype=v.dtype,
+                                               generator=g)
+                        if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                    for k, v in kwargs.items()})
+    return out

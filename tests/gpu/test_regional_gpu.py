@@ -11,6 +11,7 @@ import torch
 import kopt
 from kopt.models import build, main_output, qwen_image
 from kopt.verify import relative_error
+from tests.fixtures import perturbed_kwargs
 
 
 def test_the_backend_outlines_the_blocks_for_inductor_on_cuda(
@@ -40,13 +41,7 @@ def test_the_outlined_blocks_replay_from_a_cuda_graph(monkeypatch: pytest.Monkey
     monkeypatch.setattr(qwen_image, "TINY_CONFIG", dict(qwen_image.TINY_CONFIG, num_layers=5))
     w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
     config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
-    calls = []
-    for seed in range(5):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        calls.append({k: (v + 0.05 * torch.randn(v.shape, device="cuda", dtype=v.dtype,
-                                                 generator=g)
-                          if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                      for k, v in w.kwargs.items()})
+    calls = perturbed_kwargs(w.kwargs, 5)
 
     def run(cuda_graphs: bool | None) -> tuple[list[torch.Tensor], list]:
         torch._dynamo.reset()

@@ -14,6 +14,7 @@ from kopt.codegen.launch import DirectOp
 from kopt.graph.regions import same_value
 from kopt.models import build, main_output
 from kopt.verify import random_inputs
+from tests.fixtures import perturbed_kwargs
 
 pytestmark = pytest.mark.gpu
 FP8_EVERYWHERE = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
@@ -109,13 +110,7 @@ def test_the_backend_replays_from_cuda_graphs_by_default(inner: str) -> None:
     fresh inputs every call, and the outputs a caller keeps are not overwritten by later
     replays (a CFG loop keeps the cond output across the uncond call)."""
     w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
-    calls = []
-    for seed in range(5):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        calls.append({k: (v + 0.05 * torch.randn(v.shape, device="cuda", dtype=v.dtype,
-                                                 generator=g)
-                          if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                      for k, v in w.kwargs.items()})
+    calls = perturbed_kwargs(w.kwargs, 5)
 
     def run(cuda_graphs):  # noqa: ANN001, ANN202
         torch._dynamo.reset()
