@@ -41,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kopt import streams
 from kopt.codegen.launch import DirectOp
 from kopt.codegen.ops import CUDA_IMPLS, REFERENCES
 from kopt.graph.regions import CachedRegion, cached_regions, layout, same_value
@@ -70,6 +71,7 @@ class PlanSummary:
     kept: Counter = field(default_factory=Counter)  # op -> nodes left as OpOverload calls
     not_inlined: dict[str, str] = field(default_factory=dict)  # op -> why
     left_out: str | None = None  # stages left out after a failed check, and why
+    streams: str | None = None  # the side stream's share (kopt.streams), or why there is none
 
     def line(self, ops: Sequence[DirectOp] = ()) -> str:
         replayed = sum(op.direct for op in ops)
@@ -84,6 +86,8 @@ class PlanSummary:
             parts.append(f"{self.python} fused ops called without the dispatcher")
         parts.append(f"{self.folded_views} views folded, {self.bound} aten ops through their "
                      "Python bindings")
+        if self.streams:
+            parts.append(self.streams)
         if self.left_out:
             parts.append(self.left_out)
         return "execution plan: " + "; ".join(parts)
@@ -128,24 +132,30 @@ def is_dense(t: torch.Tensor) -> bool:
 
 
 # The plan's rewrites, each of which can be left out: inlining or direct launches of the fused
-# ops, folded views, Python bindings. A plan that does not match the optimized graph is made
-# again without one of them, then two (largest plan first), so that a rewrite that fails on
-# some graph costs only its own saving (the report names it).
-STAGES = ("fused", "views", "bindings")
+# ops, folded views, Python bindings, concurrent branches on a second CUDA stream
+# (kopt.streams). A plan that does not match the optimized graph is made again without one of
+# them, then two (largest plan first), so that a rewrite that fails on some graph costs only its
+# own saving (the report names it).
+STAGES = ("fused", "views", "bindings", "streams")
 
 
 def build_plan(gm: fx.GraphModule, example: Sequence[Any], check: bool = True,
-               outputs: Sequence[Any] | None = None) -> ExecutionPlan:
+               outputs: Sequence[Any] | None = None, branch_streams: bool = False
+               ) -> ExecutionPlan:
     """The execution plan of ``gm`` for inputs like ``example`` (flat leaves); ``check`` runs
     the plan against ``gm`` once (module docstring). Each hoisted region ``gm`` calls gets its
     own plan (:meth:`CachedRegion.set_plan`), kept with the region: regions are shared by the
     graphs of one optimized module, and so is what they cache. ``outputs``: ``gm``'s outputs on
     seed 0's random inputs (:func:`kopt.verify.random_inputs`), its hoisted regions empty
     before, where a check ran it already (verification's last check, or a warm start's): the
-    check then runs the plan alone, where its inputs are those (W1: one run of 0.4-0.9 s)."""
+    check then runs the plan alone, where its inputs are those (W1: one run of 0.4-0.9 s).
+    ``branch_streams=True`` runs the lighter of two concurrent branches on a second CUDA stream
+    (:mod:`kopt.streams`). Off, and not offered to users: replayed from a CUDA graph, the
+    two-stream plan gave wrong outputs on the GPU (RESULTS.md, 2026-12-08, H100)."""
     first_problem = ""
-    subsets = [tuple(st for st in STAGES if st not in out) for k in range(len(STAGES) + 1)
-               for out in itertools.combinations(STAGES, k)]
+    stages_on = STAGES if branch_streams else tuple(st for st in STAGES if st != "streams")
+    subsets = [tuple(st for st in stages_on if st not in out) for k in range(len(stages_on) + 1)
+               for out in itertools.combinations(stages_on, k)]
     for stages in subsets:
         plan = _make_plan(gm, example, stages)
         if not check:
@@ -153,7 +163,7 @@ def build_plan(gm: fx.GraphModule, example: Sequence[Any], check: bool = True,
         problem = _check(plan, gm, example, outputs)
         if problem is None:
             if first_problem:
-                left = ", ".join(st for st in STAGES if st not in stages)
+                left = ", ".join(st for st in stages_on if st not in stages)
                 plan.summary.left_out = f"{left} left out ({first_problem} with all)"
             return plan
         if not first_problem:
@@ -180,7 +190,7 @@ def _make_plan(gm: fx.GraphModule, example: Sequence[Any], stages: tuple[str, ..
             if isinstance(module, CachedRegion):
                 plan_region(module, layout(_meta_of(a) for a in node.args), summary, ops,
                             stages)
-    _lower(plan_gm, summary, ops, stages)
+    _lower(plan_gm, summary, ops, stages, branch_streams="streams" in stages)
     return ExecutionPlan(plan_gm, layout(example), summary, ops)
 
 
@@ -189,7 +199,7 @@ def plan_region(region: CachedRegion, for_layout: tuple, summary: PlanSummary | 
     """Give ``region`` the plan of its graph, for inputs of ``for_layout``
     (:func:`kopt.graph.regions.layout`)."""
     lowered = _lower(copy_graph_module(region.region), summary or PlanSummary(),
-                     [] if ops is None else ops, stages)
+                     [] if ops is None else ops, stages, branch_streams=False)
     region.set_plan(lowered, for_layout)
 
 
@@ -198,7 +208,7 @@ def _meta_of(a: Any) -> Any:
 
 
 def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp],
-           stages: tuple[str, ...] = STAGES) -> fx.GraphModule:
+           stages: tuple[str, ...] = STAGES, branch_streams: bool = False) -> fx.GraphModule:
     graph = gm.graph
     for node in list(graph.nodes):
         if "fused" in stages and node.op == "call_function" and node.target in REFERENCES:
@@ -206,6 +216,14 @@ def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp],
     if "views" in stages:
         summary.folded_views += _fold_views(graph)
     remove_dead_code(graph)
+    side = None
+    if branch_streams:  # chosen on the ops themselves, before bindings replace them
+        device = streams.graph_device(graph)
+        if device is not None and device.type == "cuda":
+            assignment = streams.assign(graph)
+            side = assignment.side or None
+            streams.mark_aliases(graph)
+            summary.streams = assignment.line(0) if side is None else None
     bindings = _Bindings()
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
@@ -215,6 +233,9 @@ def _lower(gm: fx.GraphModule, summary: PlanSummary, ops: list[DirectOp],
                 summary.bound += 1
             else:
                 summary.kept[str(node.target)] += 1
+    if side:
+        waits = streams.apply(gm, side, streams.BranchStreams(device))
+        summary.streams = assignment.line(waits)
     gm.recompile()
     return gm
 
