@@ -72,6 +72,7 @@ CASES = [
     Case(Q, "img MLP up", 4096, 12288, 3072, True, "gelu"),
     Case(Q, "img MLP down", 4096, 3072, 12288, True, "gate_residual"),
     Case(Q, "txt QKV", 128, 9216, 3072, True, "none"),
+    Case(Q, "txt out-proj", 128, 3072, 3072, True, "gate_residual"),
     Case(Q, "txt MLP up", 128, 12288, 3072, True, "gelu"),
     Case(Q, "txt MLP down", 128, 3072, 12288, True, "gate_residual"),
     Case(Q, "joint QKV", 4224, 9216, 3072, True, "none"),
