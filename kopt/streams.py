@@ -9,9 +9,11 @@ them. On a second stream the text chain runs beside the image chain's kernels.
 Which nodes go to the side stream is read from the graph's structure alone:
 
 1. The heavy nodes (GEMMs, attention) are split into two chains, in graph order, by ancestry: a
-   node continues a chain whose last node is one of its ancestors (preferring the chain with
-   more work), else starts the empty one. A node concurrent with both chains' ends (a third
-   branch) stays on the main chain. The lighter chain (fewer FLOPs) is the side chain.
+   node continues a chain whose last node is one of its ancestors, else starts the empty one.
+   Where both chains' last nodes are (after a joint attention), it continues the one whose last
+   node has as many rows (tokens) as its own, else the one with more work. A node concurrent
+   with both chains' ends (a third branch) stays on the main chain. The lighter chain (fewer
+   FLOPs) is the side chain.
 2. Every other node goes to the side stream when all of its users are there (so a norm or a
    quantizer feeding a side GEMM runs beside it), or when only the side stream's values feed
    it (an activation after a side GEMM, up to where the branches meet); it stays on the main
@@ -25,17 +27,21 @@ other stream ``p`` computed, ``c`` waits for everything enqueued on ``p`` so far
 per wait, fewer where an earlier wait already covers the value). The side stream first waits
 for the main stream (the graph's inputs), and the main stream waits for the side stream before
 the graph returns. A value computed on ``p`` and read on ``c`` is held until ``p`` next waits
-for ``c``: the caching allocator hands a freed block to the next allocation on the stream that
-allocated it, so the block must not be freed before that stream is ordered after the read.
+for ``c``, or to the end of the graph where ``p`` does not wait again: the caching allocator
+hands a freed block to the next allocation on the stream that allocated it, so the block must
+not be freed before that stream is ordered after the read (a side stream that runs on without
+waiting would otherwise write its next values over what the main stream is still reading).
 The values are unchanged bit for bit (the same kernels on the same inputs), and the execution
 plan checks so before it is used (:mod:`kopt.runtime`).
 
-Off, and not offered to users (``kopt.runtime.build_plan(branch_streams=True)`` turns it on):
-on the GPU the two-stream plan computed bitwise what one stream does when run eagerly, but
-replayed from a CUDA graph it gave other values, NaN on some models, and the cause is not found.
-The overlap it can buy is also small: W1's GEMMs and same-size copies per layer ran 1.026x
-faster with the text branch on a second stream inside a CUDA graph (RESULTS.md, 2026-12-08,
-H100).
+Off, and not offered to users (``kopt.runtime.build_plan(branch_streams=True)`` turns it on).
+On the GPU a first version computed bitwise what one stream does when run eagerly, but other
+values, NaN on some models, replayed from a CUDA graph. A storage-level race check on the CPU
+then found why: a value the main stream read from the side stream was freed while the side
+stream ran on without waiting again, so its next allocations could take the block before the
+read ran. Such values are now held to the end; the GPU has not run this version yet. The
+overlap it can buy is also small: W1's GEMMs and same-size copies per layer ran 1.026x faster
+with the text branch on a second stream inside a CUDA graph (RESULTS.md, 2026-12-08, H100).
 """
 
 from __future__ import annotations
@@ -175,8 +181,8 @@ def assign(graph: fx.Graph, heavy: Callable[[fx.Node], float] = heavy_flop) -> A
     chain: dict[fx.Node, int] = {}
     for h in heavy_nodes:
         fits = [c for c in (0, 1) if tails[c] is not None and ancestors[h] & bit[tails[c]]]
-        if fits:
-            c = max(fits, key=lambda c: work[c])
+        if fits:  # after a join both do: the chain of the same tokens, else the heavier one
+            c = max(fits, key=lambda c: (_rows(tails[c]) == _rows(h), work[c]))
         elif tails[1] is None and tails[0] is not None:
             c = 1
         else:
@@ -199,6 +205,13 @@ def assign(graph: fx.Graph, heavy: Callable[[fx.Node], float] = heavy_flop) -> A
     _by_users(free, side)
     return Assignment(side=side, side_flop=side_flop, total_flop=total,
                       side_heavy=sum(1 for h in heavy_nodes if h in side))
+
+
+def _rows(node: fx.Node) -> int | None:
+    """The rows (tokens) of a node's output: its elements over its last dim."""
+    out = _val(node)
+    return out.numel() // out.shape[-1] if out is not None and out.dim() and out.shape[-1] \
+        else None
 
 
 def _by_users(nodes: list[fx.Node], side: set[fx.Node]) -> None:
@@ -299,7 +312,11 @@ def apply(gm: fx.GraphModule, side: Iterable[fx.Node], streams: Any) -> int:
             origin[n] = (MAIN, 0)
             continue
         if n.op == "output":
-            if waited[MAIN] < enqueued[SIDE]:
+            # the side stream's values the main stream read since the side stream last waited
+            # for it stay held to the end: nothing orders the side stream's later allocations
+            # after those reads otherwise
+            held[MAIN] += held[SIDE]
+            if waited[MAIN] < enqueued[SIDE] or held[MAIN]:
                 wait(MAIN, n)
             break
         c = stream_of[n]

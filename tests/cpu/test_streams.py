@@ -5,16 +5,21 @@ rewritten graph and by running it; the CUDA streams themselves in tests/gpu)."""
 from __future__ import annotations
 
 import operator
+import weakref
 
 import pytest
 import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kopt import streams
 from kopt.api import optimize_captured
 from kopt.capture import capture_module
 from kopt.models import build
+from kopt.models.zoo import ZOO
+from kopt.models.zoo import build as zoo_build
 from kopt.passes.config import FP8Config, PassConfig
 from kopt.verify import VerifyOptions
 
@@ -58,21 +63,78 @@ def _traced(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
         return make_fx(model)(*inputs)
 
 
-class Recorder:
-    """A stand-in for BranchStreams on the CPU: runs side nodes in place and logs the calls."""
+class Recorder(TorchDispatchMode):
+    """A stand-in for BranchStreams on the CPU that checks, under a dispatch mode, every op's
+    storages for the races two CUDA streams could run into, from the tensors alone (not from
+    the graph, so it does not share the rewrite's idea of which nodes are views):
+
+    - a read of a storage the other stream wrote, not covered by a wait of the reading stream
+      (read after write);
+    - a storage freed (its last tensor gone) after the other stream read it, before the stream
+      that allocated it waited for that read: the caching allocator would hand the block to that
+      stream's next allocation while the read may still run (write after read)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.log: list[str] = []
+        self.stream = streams.MAIN
+        self.seq = [0, 0]  # ops launched per stream
+        self.waited = [0, 0]  # how many of the other stream's ops each has waited for
+        self.written: dict[int, tuple[int, int]] = {}  # storage -> (stream, op)
+        self.live: dict[int, tuple[int, list, dict]] = {}  # storage -> (stream, refs, reads)
+        self.races: list[str] = []
 
     def main_waits(self, *held: object) -> None:
         self.log.append("main_waits")
+        self.waited[streams.MAIN] = self.seq[streams.SIDE]
 
     def side_waits(self, *held: object) -> None:
         self.log.append("side_waits")
+        self.waited[streams.SIDE] = self.seq[streams.MAIN]
 
     def on_side(self, fn, args, kwargs):  # noqa: ANN001, ANN201
         self.log.append("side")
-        return fn(*args, **kwargs)
+        self.stream = streams.SIDE
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.stream = streams.MAIN
+
+    def _freed(self, op: str) -> None:
+        for ptr, (alloc, refs, reads) in list(self.live.items()):
+            if all(r() is None for r in refs):
+                del self.live[ptr]
+                self.races += [f"write after read: freed before {op}" for c, at in reads.items()
+                               if c != alloc and self.waited[alloc] < at]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self._freed(str(func))
+        sources = {t.untyped_storage().data_ptr() for t in ins}
+        for o in outs:  # views keep their storage alive too
+            if o.untyped_storage().data_ptr() in self.live:
+                self.live[o.untyped_storage().data_ptr()][1].append(weakref.ref(o))
+        if all(o.untyped_storage().data_ptr() in sources for o in outs) \
+                and not func._schema.is_mutable:
+            return out  # an alias: no read, no write
+        c = self.stream
+        self.seq[c] += 1
+        for t in ins:
+            ptr = t.untyped_storage().data_ptr()
+            w = self.written.get(ptr)
+            if w is not None and w[0] != c and self.waited[c] < w[1]:
+                self.races.append(f"read after write: {func} reads the other stream's value")
+            if ptr in self.live:
+                self.live[ptr][2][c] = self.seq[c]
+        for o in outs:
+            ptr = o.untyped_storage().data_ptr()
+            if ptr not in sources:
+                self.written[ptr] = (c, self.seq[c])
+                self.live[ptr] = (c, [weakref.ref(o)], {})
+        return out
 
 
 def _stream(n: fx.Node) -> int:
@@ -119,29 +181,13 @@ def check_ordering(gm: fx.GraphModule) -> None:
         assert waited(streams.MAIN, last_side, order[output])
 
 
-def check_held(gm: fx.GraphModule) -> None:
-    """A value the main stream computed and the side stream read is an argument of a main
-    stream wait after its last side reader (it is not freed before the main stream is ordered
-    after that read)."""
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or _wait_kind(n) is not None:
-            continue
-        side_readers = [u for u in n.users if _stream(u) == streams.SIDE
-                        and _wait_kind(u) is None and not streams.is_alias(u)]
-        if _stream(_producer(n)) != streams.MAIN or not side_readers \
-                or _producer(n).op in ("placeholder", "get_attr"):
-            continue
-        last = max(order[u] for u in side_readers)
-        assert any(_wait_kind(u) == streams.MAIN and order[u] > last for u in n.users), \
-            f"{n.name} is not held past its side reader"
-
-
-def check_rewritten(gm: fx.GraphModule, inputs: list, want: object) -> None:
-    """The rewritten graph's waits order and hold what they must, and it computes ``want``."""
+def check_rewritten(gm: fx.GraphModule, rec: Recorder, inputs: list, want: object) -> None:
+    """The rewritten graph's waits order every cross-stream read, it runs without a race
+    (:class:`Recorder`), and it computes ``want``."""
     check_ordering(gm)
-    check_held(gm)
-    got = gm(*inputs)
+    with rec, torch.no_grad():
+        got = gm(*inputs)
+    assert not rec.races, rec.races[:3]
     assert all(torch.equal(g, h) for g, h in zip(torch.utils._pytree.tree_leaves(got),
                                                   torch.utils._pytree.tree_leaves(want),
                                                   strict=True))
@@ -177,14 +223,49 @@ def test_the_rewritten_graph_orders_every_cross_stream_read_and_computes_the_sam
     rec = Recorder()
     waits = streams.apply(gm, a.side, rec)
     assert waits == sum(1 for n in gm.graph.nodes if _wait_kind(n) is not None) > 0
-    check_ordering(gm)
-    check_held(gm)
-    got = gm(img, txt)
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, w)
+    check_rewritten(gm, rec, [img, txt], want)
     assert rec.log.count("side") == sum(1 for n in gm.graph.nodes if _stream(n) == streams.SIDE)
     assert rec.log[0] == "side_waits" or rec.log.index("side_waits") < rec.log.index("side")
     assert rec.log[-1] == "main_waits"
+
+
+class RunsOn(nn.Module):
+    """The side branch runs on after the main branch has read one of its values, never waiting
+    for the main stream again: nothing but holding that value to the end keeps the side
+    stream's next allocations off it while the main stream reads it."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.img = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.txt = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = torch.relu(self.txt[0](txt))
+        i = self.img[0](img) + t.sum(0)  # the main branch reads the side branch's value
+        for layer in self.txt[1:]:  # ... which goes on alone
+            t = torch.relu(layer(t))
+        for layer in self.img[1:]:
+            i = torch.relu(layer(i))
+        return i, t
+
+
+def test_a_value_the_main_stream_read_is_held_while_the_side_stream_runs_on() -> None:
+    torch.manual_seed(0)
+    model = RunsOn()
+    img, txt = torch.randn(24, 32), torch.randn(6, 32)
+    gm = _traced(model, img, txt)
+    want = gm(img, txt)
+    a = streams.assign(gm.graph)
+    assert sum(1 for n in a.side if streams.heavy_flop(n) > 0) == 4
+    rec = Recorder()
+    streams.apply(gm, a.side, rec)
+    check_rewritten(gm, rec, [img, txt], want)
+    assert "side_waits" not in rec.log[1:]  # the side stream waits once, at its start
+    last = [n for n in gm.graph.nodes if _wait_kind(n) == streams.MAIN][-1]
+    read = {i for n in gm.graph.nodes if n.op == "call_function" and _stream(n) == streams.MAIN
+            and _wait_kind(n) is None for i in n.all_input_nodes
+            if i.op == "call_function" and _stream(_producer(i)) == streams.SIDE}
+    assert read and read <= set(last.args)  # held to the end
 
 
 def test_a_chain_stays_on_one_stream() -> None:
@@ -201,10 +282,10 @@ def test_a_third_branch_stays_on_the_main_stream() -> None:
     third = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default)
     a = streams.assign(gm.graph)
     assert third not in a.side  # concurrent with both chains' ends when it came
+    want = gm(img, txt)
     rec = Recorder()
     streams.apply(gm, a.side, rec)
-    check_ordering(gm)
-    check_held(gm)
+    check_rewritten(gm, rec, [img, txt], want)
 
 
 def test_a_graph_that_writes_in_place_keeps_one_stream() -> None:
@@ -218,18 +299,22 @@ def test_a_graph_that_writes_in_place_keeps_one_stream() -> None:
     assert not a.side and "in place" in a.why_not
 
 
-def _optimized_qwen_image_tiny(fp8: bool):  # noqa: ANN202
-    """(workload, capture, optimized graph) of qwen-image-tiny, unverified."""
-    w = build("qwen-image-tiny", device="cpu", dtype=torch.bfloat16)
+def _optimized(name: str, fp8: bool):  # noqa: ANN202
+    """(workload, capture, optimized graph) of a model of kopt.models or of its zoo,
+    unverified."""
+    w = (zoo_build if name in ZOO else build)(name, device="cpu", dtype=torch.bfloat16)
     cap = capture_module(w.model, w.args, w.kwargs)
     config = PassConfig(fp8=FP8Config(min_features=16) if fp8 else None)
     gm = optimize_captured(cap, config, VerifyOptions(enabled=False), None, w.name, 0.0).gm
     return w, cap, gm
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_qwen_image_tiny_text_branch_on_the_side_stream(fp8: bool) -> None:
-    w, cap, gm = _optimized_qwen_image_tiny(fp8)
+@pytest.mark.parametrize(("name", "fp8"), [
+    ("qwen-image-tiny", False), ("qwen-image-tiny", True), ("flux2-tiny", True),
+    ("wan2.1", True),  # the side stream: the text states' cross-attention keys and values
+])
+def test_the_text_branch_goes_to_the_side_stream_without_a_race(name: str, fp8: bool) -> None:
+    w, cap, gm = _optimized(name, fp8)
     want = gm(*cap.example_inputs)
     a = streams.assign(gm.graph)
     text_rows = w.kwargs["encoder_hidden_states"].shape[1]
@@ -238,8 +323,9 @@ def test_qwen_image_tiny_text_branch_on_the_side_stream(fp8: bool) -> None:
     assert all(streams._val(n).shape[-2] == text_rows for n in side_gemms)
     main_gemms = [n for n in gm.graph.nodes if streams.heavy_flop(n) > 0 and n not in a.side]
     assert all(streams._val(n).shape[-2] != text_rows for n in main_gemms)
-    streams.apply(gm, a.side, Recorder())
-    check_rewritten(gm, cap.example_inputs, want)
+    rec = Recorder()
+    streams.apply(gm, a.side, rec)
+    check_rewritten(gm, rec, cap.example_inputs, want)
 
 
 def test_getitem_and_views_are_aliases() -> None:
@@ -256,7 +342,7 @@ def test_the_execution_plan_runs_the_side_stream_after_its_bindings(monkeypatch)
     from kopt import runtime
     from kopt.graph.splice import copy_graph_module
 
-    _, cap, gm = _optimized_qwen_image_tiny(fp8=True)
+    _, cap, gm = _optimized("qwen-image-tiny", fp8=True)
     want = gm(*cap.example_inputs)
     rec = Recorder()
     monkeypatch.setattr(runtime.streams, "graph_device", lambda graph: torch.device("cuda"))
@@ -270,5 +356,5 @@ def test_the_execution_plan_runs_the_side_stream_after_its_bindings(monkeypatch)
                    and not isinstance(n.target, torch._ops.OpOverload)
                    and n.target is not operator.getitem and streams.is_alias(n)]
     assert bound_views  # views through their bindings, still known as views
-    check_rewritten(plan, cap.example_inputs, want)
+    check_rewritten(plan, rec, cap.example_inputs, want)
     assert "side" in rec.log and rec.log[-1] == "main_waits"
