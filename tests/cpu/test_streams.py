@@ -213,17 +213,23 @@ def test_the_lighter_branch_goes_to_the_side_stream() -> None:
     assert relus and all(n in a.side for n in relus)
 
 
-def test_the_rewritten_graph_orders_every_cross_stream_read_and_computes_the_same() -> None:
+def _rewritten(model: nn.Module):  # noqa: ANN202
+    """``model`` on 24 image and 6 text rows, traced, its branches assigned and rewritten:
+    (graph, assignment, recorder, waits); the graph's outputs before are checked after."""
     torch.manual_seed(0)
-    model = TwoStream()
     img, txt = torch.randn(24, 32), torch.randn(6, 32)
     gm = _traced(model, img, txt)
     want = gm(img, txt)
     a = streams.assign(gm.graph)
     rec = Recorder()
     waits = streams.apply(gm, a.side, rec)
-    assert waits == sum(1 for n in gm.graph.nodes if _wait_kind(n) is not None) > 0
     check_rewritten(gm, rec, [img, txt], want)
+    return gm, a, rec, waits
+
+
+def test_the_rewritten_graph_orders_every_cross_stream_read_and_computes_the_same() -> None:
+    gm, _, rec, waits = _rewritten(TwoStream())
+    assert waits == sum(1 for n in gm.graph.nodes if _wait_kind(n) is not None) > 0
     assert rec.log.count("side") == sum(1 for n in gm.graph.nodes if _stream(n) == streams.SIDE)
     assert rec.log[0] == "side_waits" or rec.log.index("side_waits") < rec.log.index("side")
     assert rec.log[-1] == "main_waits"
@@ -250,16 +256,8 @@ class RunsOn(nn.Module):
 
 
 def test_a_value_the_main_stream_read_is_held_while_the_side_stream_runs_on() -> None:
-    torch.manual_seed(0)
-    model = RunsOn()
-    img, txt = torch.randn(24, 32), torch.randn(6, 32)
-    gm = _traced(model, img, txt)
-    want = gm(img, txt)
-    a = streams.assign(gm.graph)
-    assert sum(1 for n in a.side if streams.heavy_flop(n) > 0) == 4
-    rec = Recorder()
-    streams.apply(gm, a.side, rec)
-    check_rewritten(gm, rec, [img, txt], want)
+    gm, a, rec, _ = _rewritten(RunsOn())
+    assert a.side_heavy == 4
     assert "side_waits" not in rec.log[1:]  # the side stream waits once, at its start
     last = [n for n in gm.graph.nodes if _wait_kind(n) == streams.MAIN][-1]
     read = {i for n in gm.graph.nodes if n.op == "call_function" and _stream(n) == streams.MAIN
@@ -276,16 +274,10 @@ def test_a_chain_stays_on_one_stream() -> None:
 
 
 def test_a_third_branch_stays_on_the_main_stream() -> None:
-    model = TwoStream(third=True)
-    img, txt = torch.randn(24, 32), torch.randn(6, 32)
-    gm = _traced(model, img, txt)
-    third = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default)
-    a = streams.assign(gm.graph)
+    gm, a, _, _ = _rewritten(TwoStream(third=True))
+    third = next(n for n in gm.graph.nodes if n.name == "addmm")  # the first projection
+    assert third.args[1].target is torch.ops.aten.mul.Tensor  # of img * 2: the third branch
     assert third not in a.side  # concurrent with both chains' ends when it came
-    want = gm(img, txt)
-    rec = Recorder()
-    streams.apply(gm, a.side, rec)
-    check_rewritten(gm, rec, [img, txt], want)
 
 
 def test_a_graph_that_writes_in_place_keeps_one_stream() -> None:
