@@ -63,3 +63,23 @@ def perturbed_kwargs(kwargs: dict, calls: int, device: str = "cuda") -> list[dic
                         if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                     for k, v in kwargs.items()})
     return out
+
+
+def backend_outputs(model: nn.Module, args: tuple, calls: list[dict], options: dict,
+                    cuda_graphs: bool | None = None, clone: bool = False) -> tuple[list, list]:
+    """``(outputs, reports)``: the main output of ``torch.compile(model, backend="kopt")`` with
+    ``options`` (plus its reports list, and ``cuda_graphs`` where given) for each call's keyword
+    inputs, dynamo reset first; ``clone``: each output copied right after its call (else all
+    kept as returned, to check that later replays do not overwrite them)."""
+    from kopt.models import main_output
+
+    torch._dynamo.reset()
+    reports: list = []
+    options = dict(options, reports=reports)
+    if cuda_graphs is not None:
+        options["cuda_graphs"] = cuda_graphs
+    f = torch.compile(model, backend="kopt", dynamic=False, options=options)
+    with torch.no_grad():
+        outs = [main_output(f(*args, **kw)).clone() if clone else main_output(f(*args, **kw))
+                for kw in calls]
+    return outs, reports

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import kopt
-from kopt.models import build, main_output, qwen_image
+from kopt.models import build, qwen_image
 from kopt.verify import relative_error
-from tests.fixtures import perturbed_kwargs
+from tests.fixtures import backend_outputs, perturbed_kwargs
+
+pytestmark = pytest.mark.gpu
 
 
 def test_the_backend_outlines_the_blocks_for_inductor_on_cuda(
@@ -42,20 +44,9 @@ def test_the_outlined_blocks_replay_from_a_cuda_graph(monkeypatch: pytest.Monkey
     w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
     config = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
     calls = perturbed_kwargs(w.kwargs, 5)
-
-    def run(cuda_graphs: bool | None) -> tuple[list[torch.Tensor], list]:
-        torch._dynamo.reset()
-        reports: list = []
-        options = {"config": config, "reports": reports}
-        if cuda_graphs is not None:
-            options["cuda_graphs"] = cuda_graphs
-        f = torch.compile(w.model, backend="kopt", dynamic=False, options=options)
-        with torch.no_grad():
-            outs = [main_output(f(*w.args, **kw)).clone() for kw in calls]
-        return outs, reports
-
-    plain, plain_reports = run(False)
-    graphed, reports = run(None)
+    options = {"config": config}
+    plain, plain_reports = backend_outputs(w.model, w.args, calls, options, False, clone=True)
+    graphed, reports = backend_outputs(w.model, w.args, calls, options, clone=True)
     torch._dynamo.reset()
     assert [r.inner for r in plain_reports + reports] == [
         "Inductor, 3 repeated block sites compiled as 1 kind(s) of block"] * 2

@@ -14,7 +14,7 @@ from kopt.codegen.launch import DirectOp
 from kopt.graph.regions import same_value
 from kopt.models import build, main_output
 from kopt.verify import random_inputs
-from tests.fixtures import perturbed_kwargs
+from tests.fixtures import backend_outputs, perturbed_kwargs
 
 pytestmark = pytest.mark.gpu
 FP8_EVERYWHERE = kopt.PassConfig(fp8=kopt.FP8Config(min_features=16))
@@ -111,20 +111,9 @@ def test_the_backend_replays_from_cuda_graphs_by_default(inner: str) -> None:
     replays (a CFG loop keeps the cond output across the uncond call)."""
     w = build("qwen-image-tiny", device="cuda", dtype=torch.bfloat16)
     calls = perturbed_kwargs(w.kwargs, 5)
-
-    def run(cuda_graphs):  # noqa: ANN001, ANN202
-        torch._dynamo.reset()
-        reports: list = []
-        options = {"inner": inner, "reports": reports}
-        if cuda_graphs is not None:
-            options["cuda_graphs"] = cuda_graphs
-        f = torch.compile(w.model, backend="kopt", dynamic=False, options=options)
-        with torch.no_grad():
-            outs = [main_output(f(*w.args, **kw)) for kw in calls]  # all kept to the end
-        return outs, reports
-
-    plain, plain_reports = run(False)
-    graphed, reports = run(None)
+    options = {"inner": inner}  # the outputs all kept to the end, as returned
+    plain, plain_reports = backend_outputs(w.model, w.args, calls, options, False)
+    graphed, reports = backend_outputs(w.model, w.args, calls, options)
     assert all("CUDA graphs: off (cuda_graphs=False)" in str(r) for r in plain_reports)
     assert reports and all("CUDA graphs: replayed from one graph" in str(r) for r in reports), \
         "\n".join(map(str, reports))
